@@ -1,0 +1,1 @@
+"""The host broker and the federation router."""

@@ -1,0 +1,390 @@
+"""Content-addressed blob store of the broker: a memory LRU in front of an optional disk LRU.
+
+A client sends a program with the sha256 digests of its blobs; the broker answers with
+:meth:`BlobStore.missing` and receives only those, then :meth:`BlobStore.put` verifies each one
+against its digest. Blobs are plain bytes: nothing here ever unpickles or interprets them.
+
+Tiers:
+
+* memory: an LRU bounded by ``memory_bytes``. With a disk tier, a blob larger than
+  ``memory_bytes // memory_blob_divisor`` is never held there, so one big upload cannot flush
+  every small blob out of memory. Without a disk tier, every blob lives in memory.
+* disk (``disk_dir``): an LRU bounded by ``disk_bytes``, written through for every blob, so a
+  restarted broker keeps its cache. Files are named by digest and written to a temporary name,
+  then moved with :func:`os.replace`, so a reader never sees half a file. The LRU order is kept
+  in memory and mirrored in file mtimes (refreshed on use), which the start-up scan sorts by.
+
+Integrity of the disk tier: the start-up scan trusts file names and only drops empty files
+(a crash before the data reached the disk can leave a file of length zero, whereas hashing a
+cache of many GiB would delay start-up). A file is hashed the first time this process reads it
+or hands out its path (:meth:`BlobStore.get`, :meth:`BlobStore.disk_path`); a file that does not
+match its name is deleted and the blob is reported absent. Blobs written by this process were
+hashed by :meth:`BlobStore.put` and are not hashed again. One broker owns a cache directory.
+
+Pins: while a request runs, its blobs are pinned with the request id as owner; pinned blobs are
+evicted from no tier, even when they alone exceed a tier's capacity, so a tiny cache still runs
+a program with big blobs. Pin before the upload arrives (pinning an absent digest is allowed and
+takes effect on :meth:`BlobStore.put`), so that nothing between the upload and the pin can evict
+it. A put never evicts the blob it stores; the next eviction pass (a later put, a read that
+fills memory, or :meth:`BlobStore.unpin_owner`) does, once it is unpinned.
+
+Example::
+
+    store = BlobStore(BlobStoreSettings(memory_bytes=1 << 20, disk_dir=Path("/var/cache/kcoral")))
+    digest = BlobStore.digest_of(b"data")
+    store.pin(digest, owner="request-1")
+    if store.missing([digest]):
+        store.put(digest, b"data")
+    assert bytes(store.get(digest)) == b"data"
+    store.unpin_owner("request-1")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import structlog
+
+__all__ = ("BlobDigestMismatch", "BlobStore", "BlobStoreSettings")
+
+_log = structlog.get_logger(__name__)
+
+# A sha256 digest as it travels on the wire: lowercase hex only, so one blob has one name.
+_DIGEST_PATTERN: Final = re.compile(r"[0-9a-f]{64}")
+# Temporary files start with a dot so that they can never be mistaken for a digest.
+_TEMP_PREFIX: Final = ".incoming-"
+_EMPTY_DIGEST: Final = hashlib.sha256(b"").hexdigest()
+
+
+@dataclass(frozen=True)
+class BlobStoreSettings:
+    """Capacities of the blob store tiers; defaults suit one GPU host."""
+
+    memory_bytes: int = 1 << 30
+    """Capacity of the memory LRU, in bytes."""
+    disk_dir: Path | None = None
+    """Directory of the disk tier; None keeps blobs in memory only."""
+    disk_bytes: int = 32 << 30
+    """Capacity of the disk LRU, in bytes."""
+    memory_blob_divisor: int = 4
+    """With a disk tier, blobs over ``memory_bytes // memory_blob_divisor`` stay on disk only."""
+    hash_chunk_bytes: int = 1 << 20
+    """Read size when hashing a disk file, so that verifying a big file holds little memory."""
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("blob store capacities must not be negative")
+        if self.memory_blob_divisor < 1 or self.hash_chunk_bytes < 1:
+            raise ValueError("memory_blob_divisor and hash_chunk_bytes must be positive")
+
+
+class BlobDigestMismatch(ValueError):
+    """Raised when the bytes given to :meth:`BlobStore.put` do not hash to the digest given."""
+
+
+def _check_digest(digest: object) -> str:
+    # Digests come from the network and name files on disk: refuse anything but 64 lowercase hex
+    # characters, which also rules out path separators and "..".
+    if not isinstance(digest, str) or _DIGEST_PATTERN.fullmatch(digest) is None:
+        raise ValueError(f"not a sha256 hex digest: {digest!r:.80}")
+    return digest
+
+
+def _as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        # Rare (a strided view); hashing and writing need contiguous bytes, so copy once here.
+        view = memoryview(view.tobytes())
+    # Byte-level view of any format or shape (a zmq.Frame buffer, a numpy array) without copying.
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class BlobStore:
+    """Blobs by sha256 digest in a memory LRU and an optional disk LRU; see the module docstring."""
+
+    def __init__(self, settings: BlobStoreSettings) -> None:
+        self._settings = settings
+        # Insertion order is LRU order: the first entry is the oldest; a use moves it to the end.
+        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._memory_bytes = 0
+        self._disk: OrderedDict[str, int] = OrderedDict()
+        self._disk_bytes = 0
+        # Disk files this process wrote or hashed; the others were only trusted by name at scan.
+        self._verified: set[str] = set()
+        self._pins: dict[str, set[str]] = {}
+        self._pins_by_owner: dict[str, set[str]] = {}
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._disk_dir = settings.disk_dir
+        if self._disk_dir is not None:
+            self._disk_dir.mkdir(parents=True, exist_ok=True)
+            self._scan_disk(self._disk_dir)
+            self._evict_disk(keep=None)
+
+    @staticmethod
+    def digest_of(data: bytes | bytearray | memoryview) -> str:
+        """Lowercase hex sha256 of ``data``, the name a blob is stored under."""
+        return hashlib.sha256(_as_bytes_view(data)).hexdigest()
+
+    def has(self, digest: str) -> bool:
+        """Whether the blob is stored in any tier; counts neither a hit nor a miss."""
+        _check_digest(digest)
+        return digest in self._memory or digest in self._disk
+
+    def missing(self, digests: Iterable[str]) -> list[str]:
+        """The digests not stored, in the order given, each once; counts a hit or miss per digest.
+
+        Every digest is validated before any is counted, so a bad request changes no statistic.
+        """
+        unique = list(dict.fromkeys(_check_digest(digest) for digest in digests))
+        absent = [
+            digest for digest in unique if digest not in self._memory and digest not in self._disk
+        ]
+        self._misses += len(absent)
+        self._hits += len(unique) - len(absent)
+        return absent
+
+    def put(self, digest: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``digest`` after checking that it hashes to it; idempotent.
+
+        Takes anything with the buffer protocol (``zmq.Frame.buffer``, ``bytearray``, ...). The
+        memory tier keeps one copy (none for ``bytes``, which cannot change under us); the disk
+        tier is written straight from the caller's buffer.
+        """
+        _check_digest(digest)
+        view = _as_bytes_view(data)
+        actual = hashlib.sha256(view).hexdigest()
+        if actual != digest:
+            raise BlobDigestMismatch(
+                f"blob of {view.nbytes} bytes hashes to {actual}, not {digest}"
+            )
+        size = view.nbytes
+        on_disk = digest in self._disk
+        if self._disk_dir is not None and not on_disk:
+            on_disk = self._write_disk(self._disk_dir, digest, view)
+        if on_disk:
+            self._touch_disk(digest)
+        if not self._fits_memory(size) and on_disk:
+            return
+        if digest in self._memory:
+            self._memory.move_to_end(digest)
+            return
+        # Keep the caller's bytes object itself when it is one; otherwise this is the one copy.
+        kept = data if isinstance(data, bytes) else view.tobytes()
+        self._memory[digest] = kept
+        self._memory_bytes += size
+        self._evict_memory(keep=digest)
+
+    def get(self, digest: str) -> memoryview:
+        """The blob's bytes, read-only; raises KeyError when it is not stored.
+
+        A blob read from disk is put into memory when it is small enough for the memory tier.
+        """
+        _check_digest(digest)
+        kept = self._memory.get(digest)
+        if kept is not None:
+            self._memory.move_to_end(digest)
+            if digest in self._disk:
+                # Keep the disk copy from ageing out while the blob is in active use.
+                self._touch_disk(digest)
+            return memoryview(kept)
+        if digest not in self._disk or self._disk_dir is None:
+            raise KeyError(digest)
+        path = self._disk_dir / digest
+        try:
+            kept = path.read_bytes()
+        except OSError as exc:
+            self._drop_disk_entry(digest, reason="unreadable", error=str(exc))
+            raise KeyError(digest) from exc
+        if digest not in self._verified:
+            # We already hold the bytes, so hashing costs about as much as the read did.
+            if hashlib.sha256(kept).hexdigest() != digest:
+                self._drop_disk_entry(digest, reason="corrupt")
+                raise KeyError(digest)
+            self._verified.add(digest)
+        self._touch_disk(digest)
+        if self._fits_memory(len(kept)):
+            self._memory[digest] = kept
+            self._memory_bytes += len(kept)
+            self._evict_memory(keep=digest)
+        return memoryview(kept)
+
+    def disk_path(self, digest: str) -> Path | None:
+        """Path of the blob's file in the disk tier, or None when it has no disk copy.
+
+        Workers read this file through a read-only mount; pin the blob for as long as they may.
+        The file is hashed first if this process has not done so yet (once per file).
+        """
+        _check_digest(digest)
+        if digest not in self._disk or self._disk_dir is None:
+            return None
+        path = self._disk_dir / digest
+        if digest not in self._verified:
+            if not self._file_matches(path, digest):
+                self._drop_disk_entry(digest, reason="corrupt")
+                return None
+            self._verified.add(digest)
+        self._touch_disk(digest)
+        return path
+
+    def size_of(self, digest: str) -> int:
+        """Size of the blob in bytes; raises KeyError when it is not stored."""
+        _check_digest(digest)
+        kept = self._memory.get(digest)
+        if kept is not None:
+            return len(kept)
+        return self._disk[digest]
+
+    def pin(self, digest: str, owner: str) -> None:
+        """Keep the blob from eviction until ``owner`` (a request id) is unpinned.
+
+        The blob need not be stored yet: the pin protects it from the moment it is put.
+        """
+        _check_digest(digest)
+        self._pins.setdefault(digest, set()).add(owner)
+        self._pins_by_owner.setdefault(owner, set()).add(digest)
+
+    def unpin_owner(self, owner: str) -> None:
+        """Drop every pin of ``owner``, then evict whatever is over capacity."""
+        digests = self._pins_by_owner.pop(owner, set())
+        for digest in digests:
+            owners = self._pins[digest]
+            owners.discard(owner)
+            if not owners:
+                del self._pins[digest]
+        if digests:
+            self._evict_memory(keep=None)
+            self._evict_disk(keep=None)
+
+    def stats(self) -> dict[str, int]:
+        """Counters: ``entries``/``bytes`` of the memory tier, ``disk_entries``/``disk_bytes``,
+        ``hits``/``misses`` counted by :meth:`missing`, ``evictions`` from either tier, and
+        ``pinned``, the number of stored blobs with at least one pin."""
+        return {
+            "entries": len(self._memory),
+            "bytes": self._memory_bytes,
+            "disk_entries": len(self._disk),
+            "disk_bytes": self._disk_bytes,
+            "hits": self._hits,
+            "misses": self._misses,
+            "evictions": self._evictions,
+            "pinned": sum(1 for d in self._pins if d in self._memory or d in self._disk),
+        }
+
+    def _fits_memory(self, size: int) -> bool:
+        if self._disk_dir is None:
+            # Memory is the only tier; an oversized blob is kept until the next eviction pass.
+            return True
+        return size <= self._settings.memory_bytes // self._settings.memory_blob_divisor
+
+    def _evict_memory(self, keep: str | None) -> None:
+        limit = self._settings.memory_bytes
+        if self._memory_bytes <= limit:
+            return
+        for digest in list(self._memory):
+            if self._memory_bytes <= limit:
+                break
+            if digest == keep or digest in self._pins:
+                continue
+            self._memory_bytes -= len(self._memory.pop(digest))
+            self._evictions += 1
+
+    def _evict_disk(self, keep: str | None) -> None:
+        limit = self._settings.disk_bytes
+        if self._disk_bytes <= limit or self._disk_dir is None:
+            return
+        for digest in list(self._disk):
+            if self._disk_bytes <= limit:
+                break
+            if digest == keep or digest in self._pins:
+                continue
+            self._remove_disk_file(self._disk_dir / digest)
+            self._disk_bytes -= self._disk.pop(digest)
+            self._verified.discard(digest)
+            self._evictions += 1
+
+    def _write_disk(self, disk_dir: Path, digest: str, view: memoryview) -> bool:
+        """Write the blob to the disk tier; False (blob kept in memory instead) if that fails."""
+        temp_name: str | None = None
+        try:
+            fd, temp_name = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=disk_dir)
+            with open(fd, "wb") as file:
+                file.write(view)
+            os.replace(temp_name, disk_dir / digest)
+        except OSError as exc:
+            # The disk is a cache: a full or failing disk must not fail the upload itself.
+            if temp_name is not None:
+                self._remove_disk_file(Path(temp_name))
+            _log.warning("blob_disk_write_failed", digest=digest, error=str(exc))
+            return False
+        self._disk[digest] = view.nbytes
+        self._disk_bytes += view.nbytes
+        self._verified.add(digest)
+        self._evict_disk(keep=digest)
+        return True
+
+    def _touch_disk(self, digest: str) -> None:
+        self._disk.move_to_end(digest)
+        if self._disk_dir is None:
+            return
+        # The mtime carries the LRU order across a restart (atime is often not kept). A failure
+        # only blurs that order; the file itself is checked when it is read.
+        with contextlib.suppress(OSError):
+            os.utime(self._disk_dir / digest)
+
+    def _drop_disk_entry(self, digest: str, *, reason: str, error: str | None = None) -> None:
+        _log.warning("blob_disk_copy_dropped", digest=digest, reason=reason, error=error)
+        self._disk_bytes -= self._disk.pop(digest)
+        self._verified.discard(digest)
+        if self._disk_dir is not None:
+            self._remove_disk_file(self._disk_dir / digest)
+
+    def _file_matches(self, path: Path, digest: str) -> bool:
+        hasher = hashlib.sha256()
+        try:
+            with path.open("rb") as file:
+                while chunk := file.read(self._settings.hash_chunk_bytes):
+                    hasher.update(chunk)
+        except OSError:
+            return False
+        return hasher.hexdigest() == digest
+
+    def _scan_disk(self, disk_dir: Path) -> None:
+        found: list[tuple[float, str, int]] = []
+        with os.scandir(disk_dir) as entries:
+            for entry in entries:
+                if entry.name.startswith(_TEMP_PREFIX):
+                    # Left by a broker that stopped mid-write; this broker owns the directory.
+                    self._remove_disk_file(Path(entry.path))
+                    continue
+                if _DIGEST_PATTERN.fullmatch(entry.name) is None or not entry.is_file(
+                    follow_symlinks=False
+                ):
+                    continue  # Not ours: leave it alone.
+                stat = entry.stat(follow_symlinks=False)
+                if stat.st_size == 0 and entry.name != _EMPTY_DIGEST:
+                    self._remove_disk_file(Path(entry.path))
+                    continue
+                found.append((stat.st_mtime, entry.name, stat.st_size))
+        found.sort()
+        for _, digest, size in found:
+            self._disk[digest] = size
+            self._disk_bytes += size
+        if found:
+            _log.info("blob_disk_scanned", entries=len(self._disk), bytes=self._disk_bytes)
+
+    @staticmethod
+    def _remove_disk_file(path: Path) -> None:
+        # A file that cannot be removed now is found again by the next start-up scan.
+        with contextlib.suppress(OSError):
+            path.unlink()

@@ -1,0 +1,741 @@
+"""The host broker: a ROUTER for clients, a ROUTER for workers, and the queue between them.
+
+One asyncio loop (uvloop where installed) owns every piece of state: requests, idle workers, the
+lease table and the blob store, so none of it needs locks. Workers live in zygote-forked processes
+run by the :class:`~kcoral.broker.supervisor.Supervisor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import platform
+import shutil
+import signal
+import socket as stdlib_socket
+import tempfile
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from kcoral import protocol
+from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings
+from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
+from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
+from kcoral.broker.target import TargetInfo, describe_target
+
+log = structlog.get_logger("kcoral.broker")
+
+NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blobs is dropped
+WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
+SOCKET_HIGH_WATER_MARK = 100_000
+SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Everything ``kcoral broker`` can be told; the CLI fills it from flags."""
+
+    listen: str = "tcp://127.0.0.1:5555"
+    device: str = "auto"  # "gpu", "cpu" or "auto"
+    gpus: tuple[int, ...] | None = None  # None: every local GPU
+    fake_gpus: int = 0
+    workers_per_gpu: int = 1
+    workers: int = 2  # CPU workers where there are no GPUs
+    sandbox: str = "none"
+    sandbox_readonly_paths: tuple[Path, ...] = ()
+    max_programs_per_worker: int = 1
+    cache_dir: Path | None = None
+    cache_bytes: int = 1 << 30
+    cache_disk_bytes: int = 32 << 30
+    max_queued: int = 1024
+    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
+    max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
+    run_dir: Path | None = None
+    limits: dict[str, int] = field(default_factory=dict)
+    preload: str = "numpy,torch"
+
+
+@dataclass
+class Worker:
+    identity: bytes
+    slot: int
+    gpu: int | None
+    pid: int
+    request_id: str | None = None
+
+
+@dataclass
+class Request:
+    id: str
+    client: bytes
+    program: dict[str, Any]
+    options: protocol.ExecuteOptions
+    digests: list[str]
+    gpu_count: int
+    received_at: float = field(default_factory=time.monotonic)
+    state: str = "negotiating"
+    queued_at: float = 0.0
+    started_at: float = 0.0
+    worker: Worker | None = None
+    gpu_ids: tuple[int, ...] = ()
+    instruction_index: int | None = None
+    timer: asyncio.TimerHandle | None = None
+    lease_task: asyncio.Task[None] | None = None
+    bytes_received: int = 0
+
+
+class Broker:
+    """Serves programs from clients to workers on one host."""
+
+    def __init__(self, settings: BrokerSettings) -> None:
+        self.settings = settings
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.started_at = time.time()
+        self.target: TargetInfo = describe_target(settings.device, settings.gpus, settings.fake_gpus)
+        self.gpu_ids = self.target.lease_gpus
+        self.leases = LeaseTable(self.gpu_ids)
+        self.run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="kcoral-"))
+        self._own_run_dir = settings.run_dir is None
+        cache_dir = settings.cache_dir
+        self.blobs = BlobStore(
+            BlobStoreSettings(
+                memory_bytes=settings.cache_bytes,
+                disk_dir=cache_dir,
+                disk_bytes=settings.cache_disk_bytes,
+            )
+        )
+        self.requests: dict[str, Request] = {}
+        self.queues: OrderedDict[bytes, deque[Request]] = OrderedDict()  # per client, round robin
+        self.workers: dict[bytes, Worker] = {}
+        self.idle: dict[bytes, Worker] = {}
+        self.exited: dict[bytes, WorkerExit] = {}
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self.context = zmq.asyncio.Context()
+        self.frontend = self._router()
+        self.backend = self._router()
+        self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
+        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit)
+        self.completed = 0
+        self.failed = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- setup ---
+
+    def _router(self) -> zmq.asyncio.Socket:
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SOCKET_HIGH_WATER_MARK)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_HIGH_WATER_MARK)
+        return sock
+
+    def _slot_specs(self) -> list[SlotSpec]:
+        from kcoral.broker.sandboxing import wrap_in_sandbox
+
+        slots: list[SlotSpec] = []
+        if self.gpu_ids:
+            placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
+        else:
+            placement = [None] * self.settings.workers
+        fake = self.target.fake
+        for slot, gpu in enumerate(placement):
+            workspace = self.run_dir / "slots" / str(slot)
+            argv = zygote_command(
+                connect=self.worker_endpoint,
+                slot=slot,
+                gpu=gpu,
+                workspace=workspace,
+                max_programs=self.settings.max_programs_per_worker,
+                limits=self.settings.limits,
+                preload=self.settings.preload,
+            )
+            argv, env = wrap_in_sandbox(self.settings, argv, workspace, self.run_dir / "ipc", gpu, fake)
+            slots.append(SlotSpec(slot, gpu, workspace, tuple(argv), env))
+        return slots
+
+    async def serve(self) -> int:
+        """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
+        (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_request_bytes, protocol.MAX_BODY_BYTES))
+        self.frontend.bind(self.settings.listen)
+        self.backend.bind(self.worker_endpoint)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.drain)
+        await self.supervisor.start()
+        self._tasks = [
+            asyncio.create_task(self._client_loop()),
+            asyncio.create_task(self._worker_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+        ]
+        log.info(
+            "broker_listening",
+            endpoint=self.settings.listen,
+            gpus=list(self.gpu_ids),
+            slots=len(self.supervisor.slots),
+            sandbox=self.settings.sandbox,
+            instance_id=self.instance_id,
+        )
+        await self.stopped.wait()
+        await self.close()
+        return 0
+
+    def drain(self) -> None:
+        """Stop taking programs; finish those in flight, then stop."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("broker_draining", in_flight=len(self.requests))
+        asyncio.get_running_loop().create_task(self._finish_draining())
+
+    async def _finish_draining(self) -> None:
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.stopped.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.supervisor.stop()
+        self.frontend.close(linger=0)
+        self.backend.close(linger=0)
+        self.context.term()
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.info("broker_stopped", completed=self.completed, failed=self.failed)
+
+    # --- clients ---
+
+    async def _client_loop(self) -> None:
+        while True:
+            frames = await self.frontend.recv_multipart(copy=False)
+            try:
+                self._handle_client(frames)
+            except Exception:
+                log.exception("client_message_failed")
+
+    def _handle_client(self, frames: list[zmq.Frame]) -> None:
+        client = bytes(frames[0].buffer)
+        try:
+            command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
+        except protocol.WireError as exc:
+            log.warning("bad_client_message", error=str(exc), frames=len(frames) - 1)
+            return
+        request_id = body.get("request_id")
+        try:
+            request_id = protocol.check_id(request_id, "request_id")
+        except protocol.WireError as exc:
+            log.warning("bad_client_message", error=str(exc), command=command.hex())
+            return
+        if command == protocol.EXECUTE:
+            self._on_execute(client, request_id, body, data)
+        elif command == protocol.BLOBS:
+            self._on_blobs(client, request_id, body, data)
+        elif command == protocol.CANCEL:
+            self._on_cancel(client, request_id)
+        elif command == protocol.HEALTH:
+            self._reply_ok(client, request_id, self.health())
+        elif command == protocol.TARGET:
+            self._reply_ok(client, request_id, self.target.to_wire())
+        else:
+            self._reply_error(client, request_id, "parse", f"unknown command {command.hex()}")
+
+    def _on_execute(self, client: bytes, request_id: str, body: dict[str, Any], data: list[Any]) -> None:
+        if request_id in self.requests:
+            self._reply_error(client, request_id, "parse", "a request with this id is already in flight")
+            return
+        if self.draining:
+            self._reply_error(client, request_id, "busy", "the broker is shutting down")
+            return
+        waiting = sum(1 for r in self.requests.values() if r.state in ("negotiating", "queued"))
+        if waiting >= self.settings.max_queued:
+            self._reply_error(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
+            return
+        try:
+            program = body.get("program")
+            if not isinstance(program, dict):
+                raise protocol.WireError("EXECUTE needs a program map")
+            options = protocol.parse_options(body.get("options"))
+            digests = protocol.program_digests(program)
+            declared = _declared_bytes(program)
+        except protocol.WireError as exc:
+            self._reply_error(client, request_id, "parse", str(exc))
+            return
+        if declared > self.settings.max_request_bytes:
+            self._reply_error(
+                client,
+                request_id,
+                "request_too_large",
+                f"the program's uploads are {declared} bytes; this broker takes at most {self.settings.max_request_bytes}",
+            )
+            return
+        gpu_count = options.gpu_count if options.gpu_count is not None else (1 if self.gpu_ids else 0)
+        if gpu_count > len(self.gpu_ids):
+            self._reply_error(
+                client,
+                request_id,
+                "capacity",
+                f"the program asks for {gpu_count} GPUs; this host has {len(self.gpu_ids)}",
+            )
+            return
+        request = Request(request_id, client, program, options, digests, gpu_count)
+        self.requests[request_id] = request
+        for digest in digests:
+            self.blobs.pin(digest, request_id)
+        log.info(
+            "request_received", request_id=request_id, instructions=len(program["instructions"]), blobs=len(digests)
+        )
+        if not self._store_blobs(request, body, data):
+            return
+        self._negotiate(request)
+
+    def _on_blobs(self, client: bytes, request_id: str, body: dict[str, Any], data: list[Any]) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request.client != client or request.state != "negotiating":
+            self._reply_error(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
+            return
+        if self._store_blobs(request, body, data):
+            self._negotiate(request)
+
+    def _store_blobs(self, request: Request, body: dict[str, Any], data: list[Any]) -> bool:
+        digests = body.get("blobs") or []
+        try:
+            if not isinstance(digests, list) or len(digests) != len(data):
+                raise protocol.WireError("the blobs list must name each attached frame")
+            for digest, frame in zip(digests, data):
+                protocol.check_digest(digest)
+                if digest not in request.digests:
+                    raise protocol.WireError(f"blob {digest[:12]}... is not used by the program")
+                request.bytes_received += len(frame)
+                if request.bytes_received > self.settings.max_request_bytes:
+                    self._finish_error(
+                        request,
+                        "request_too_large",
+                        f"the program's uploads exceed {self.settings.max_request_bytes} bytes",
+                    )
+                    return False
+                self.blobs.put(digest, frame)
+        except BlobDigestMismatch as exc:
+            self._finish_error(request, "parse", f"blob digest mismatch: {exc}")
+            return False
+        except (protocol.WireError, ValueError) as exc:
+            self._finish_error(request, "parse", str(exc))
+            return False
+        return True
+
+    def _negotiate(self, request: Request) -> None:
+        missing = self.blobs.missing(request.digests)
+        if missing:
+            request.state = "negotiating"
+            if request.timer is not None:
+                request.timer.cancel()
+            request.timer = asyncio.get_running_loop().call_later(
+                NEGOTIATION_TIMEOUT_SECONDS,
+                self._finish_error,
+                request,
+                "timeout",
+                "the client did not send the program's blobs",
+            )
+            self._send_client(
+                request.client, protocol.PARTIAL, {"request_id": request.id, "state": "need_blobs", "blobs": missing}
+            )
+            return
+        if request.timer is not None:
+            request.timer.cancel()
+            request.timer = None
+        request.state = "queued"
+        request.queued_at = time.monotonic()
+        self.queues.setdefault(request.client, deque()).append(request)
+        self._send_client(request.client, protocol.PARTIAL, {"request_id": request.id, "state": "queued"})
+        self._dispatch()
+
+    def _on_cancel(self, client: bytes, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None or request.client != client:
+            return
+        log.info("request_cancelled", request_id=request_id, state=request.state)
+        self._finish_error(request, "cancelled", "the client cancelled the program")
+
+    # --- dispatch ---
+
+    def _next_request(self) -> Request | None:
+        # Round robin over clients: one busy client cannot starve the others.
+        for client in list(self.queues):
+            queue = self.queues[client]
+            if not queue:
+                del self.queues[client]
+                continue
+            request = queue.popleft()
+            self.queues.move_to_end(client)
+            if not queue:
+                del self.queues[client]
+            return request
+        return None
+
+    def _dispatch(self) -> None:
+        while self.idle:
+            request = self._next_request()
+            if request is None:
+                return
+            worker = self._pick_worker()
+            self._start(request, worker)
+
+    def _pick_worker(self) -> Worker:
+        busy: dict[int | None, int] = {}
+        for w in self.workers.values():
+            if w.request_id is not None:
+                busy[w.gpu] = busy.get(w.gpu, 0) + 1
+        identity = min(self.idle, key=lambda i: (busy.get(self.idle[i].gpu, 0), self.idle[i].slot))
+        return self.idle.pop(identity)
+
+    def _start(self, request: Request, worker: Worker) -> None:
+        if request.gpu_count:
+            load = {g: 0 for g in self.gpu_ids}
+            for w in self.workers.values():
+                if w.request_id is not None and w.gpu is not None:
+                    load[w.gpu] += 1
+            preferred = worker.gpu if worker.gpu in load else None
+            request.gpu_ids = choose_gpus(load, request.gpu_count, preferred)
+        request.state = "running"
+        request.started_at = time.monotonic()
+        request.worker = worker
+        worker.request_id = request.id
+        frames = [self.blobs.get(d) for d in request.digests]
+        body = {
+            "request_id": request.id,
+            "program": request.program,
+            "options": request.options.to_wire(),
+            "gpu_ids": list(request.gpu_ids),
+            "blobs": request.digests,
+            "max_response_bytes": self.settings.max_response_bytes,
+        }
+        try:
+            self.backend.send_multipart([worker.identity, *protocol.message(protocol.PROGRAM, body, *frames)], copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
+            self.workers.pop(worker.identity, None)
+            worker.request_id = None
+            request.state = "queued"
+            self.queues.setdefault(request.client, deque()).appendleft(request)
+            self.queues.move_to_end(request.client, last=False)
+            return
+        request.timer = asyncio.get_running_loop().call_later(
+            request.options.timeout_seconds, self._on_timeout, request
+        )
+        log.info(
+            "request_started",
+            request_id=request.id,
+            worker=worker.identity.decode(),
+            gpu=list(request.gpu_ids),
+            queue_ms=round((request.started_at - request.queued_at) * 1000, 2),
+        )
+        self._send_client(
+            request.client,
+            protocol.PARTIAL,
+            {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)},
+        )
+
+    def _on_timeout(self, request: Request) -> None:
+        if self.requests.get(request.id) is not request:
+            return
+        log.warning(
+            "request_timeout",
+            request_id=request.id,
+            timeout_s=request.options.timeout_seconds,
+            worker=request.worker.identity.decode() if request.worker else None,
+        )
+        self._finish_error(
+            request,
+            "timeout",
+            f"the program ran past its timeout of {request.options.timeout_seconds:g} s and was killed",
+        )
+
+    # --- workers ---
+
+    async def _worker_loop(self) -> None:
+        while True:
+            frames = await self.backend.recv_multipart(copy=False)
+            try:
+                self._handle_worker(frames)
+            except Exception:
+                log.exception("worker_message_failed")
+
+    def _handle_worker(self, frames: list[zmq.Frame]) -> None:
+        identity = bytes(frames[0].buffer)
+        try:
+            command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
+        except protocol.WireError as exc:
+            log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
+            return
+        if command == protocol.READY:
+            self._on_ready(identity, body)
+            return
+        worker = self.workers.get(identity)
+        if worker is None:
+            return
+        request = self.requests.get(worker.request_id or "")
+        if request is None or body.get("request_id") != request.id:
+            return
+        if command == protocol.LEASE:
+            if request.lease_task is None or request.lease_task.done():
+                request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
+        elif command == protocol.RELEASE:
+            self.leases.release(request.id)
+        elif command == protocol.PROGRESS:
+            index = body.get("index")
+            request.instruction_index = index if isinstance(index, int) else None
+        elif command == protocol.RESULT:
+            self._on_result(request, worker, body, data)
+
+    def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
+        slot = body.get("slot")
+        if not isinstance(slot, int) or slot not in self.supervisor.states:
+            log.warning("bad_ready", worker=identity.decode(errors="replace"))
+            return
+        if identity in self.exited:
+            return  # it died before its READY was read
+        gpu = self.supervisor.states[slot].spec.gpu
+        worker = Worker(identity, slot, gpu, int(body.get("pid") or 0))
+        self.workers[identity] = worker
+        self.idle[identity] = worker
+        log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        self._dispatch()
+
+    async def _grant_lease(self, request: Request, worker: Worker) -> None:
+        try:
+            await self.leases.acquire(request.id, request.gpu_ids)
+        except (LeaseReclaimed, asyncio.CancelledError):
+            return
+        if self.requests.get(request.id) is not request or request.state != "running":
+            self.leases.release(request.id)
+            return
+        try:
+            self.backend.send_multipart(
+                [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})]
+            )
+        except zmq.ZMQError:
+            self.leases.release(request.id)
+
+    def _on_result(self, request: Request, worker: Worker, body: dict[str, Any], data: list[Any]) -> None:
+        worker.request_id = None
+        self.leases.release(request.id)
+        info = body.get("worker") if isinstance(body.get("worker"), dict) else {}
+        if info.get("reusable") and worker.identity in self.workers:
+            self.idle[worker.identity] = worker
+        elif info.get("retire_reason"):
+            log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+        response_bytes = sum(len(f) for f in data)
+        if response_bytes > self.settings.max_response_bytes:
+            self._finish_error(
+                request,
+                "response_too_large",
+                f"the results are {response_bytes} bytes; this broker returns at most {self.settings.max_response_bytes}",
+            )
+            self._dispatch()
+            return
+        result = dict(body)
+        result["request_id"] = request.id
+        result["queue_ms"] = (request.started_at - request.queued_at) * 1000
+        result["gpu_ids"] = list(request.gpu_ids)
+        self._finish(request, {"request_id": request.id, "ok": True, "result": result}, data)
+        self._dispatch()
+
+    def _on_worker_exit(self, exit: WorkerExit) -> None:
+        identity = exit.worker.encode()
+        self.exited[identity] = exit
+        if len(self.exited) > 10_000:
+            self.exited.pop(next(iter(self.exited)))
+        worker = self.workers.pop(identity, None)
+        self.idle.pop(identity, None)
+        if worker is None or worker.request_id is None:
+            return
+        request = self.requests.get(worker.request_id)
+        if request is None:
+            return
+        self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
+        asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE_SECONDS, self._fail_crashed, request, worker, exit)
+
+    def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
+        if self.requests.get(request.id) is not request or request.worker is not worker:
+            return
+        index = request.instruction_index
+        instructions = request.program.get("instructions", [])
+        ins = instructions[index] if index is not None and index < len(instructions) else {}
+        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
+        result = {
+            "request_id": request.id,
+            "status": "FAILED",
+            "results": {},
+            "error": {
+                "kind": "runtime",
+                "message": f"worker exited while executing the instruction ({exit.describe()})",
+                "instruction_index": index,
+                "instruction_op": ins.get("op"),
+                "instruction_id": ins.get("id"),
+                "traceback": "",
+            },
+            "stdout": "",
+            "stderr": "",
+            "stdout_truncated": False,
+            "stderr_truncated": False,
+            "queue_ms": (request.started_at - request.queued_at) * 1000,
+            "elapsed_ms": (time.monotonic() - request.started_at) * 1000,
+            "lease_wait_ms": 0.0,
+            "lease_held_ms": 0.0,
+            "gpu_ids": list(request.gpu_ids),
+        }
+        self._finish(request, {"request_id": request.id, "ok": True, "result": result}, [])
+        self._dispatch()
+
+    # --- replies ---
+
+    def _finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
+        """Answer a request once and forget it."""
+        if self.requests.pop(request.id, None) is None:
+            return
+        if request.timer is not None:
+            request.timer.cancel()
+        if request.lease_task is not None:
+            request.lease_task.cancel()
+        self.leases.reclaim(request.id)
+        self.blobs.unpin_owner(request.id)
+        if request.state == "queued":
+            queue = self.queues.get(request.client)
+            if queue is not None and request in queue:
+                queue.remove(request)
+        result = body.get("result") or {}
+        if body.get("ok") and result.get("status") == "COMPLETED":
+            self.completed += 1
+        else:
+            self.failed += 1
+        request.state = "done"
+        self._send_client(request.client, protocol.FINAL, body, *frames)
+        log.info(
+            "request_finished",
+            request_id=request.id,
+            ok=body.get("ok"),
+            status=result.get("status"),
+            error=(body.get("error") or result.get("error") or {}).get("kind"),
+        )
+
+    def _finish_error(self, request: Request, kind: str, message: str) -> None:
+        worker = request.worker
+        running = request.state == "running" and worker is not None
+        self._finish(request, {"request_id": request.id, "ok": False, "error": protocol.error_body(kind, message)}, [])
+        if running and worker is not None:
+            # The worker may be anywhere in the user's code: kill it and all it started.
+            worker.request_id = None
+            self.workers.pop(worker.identity, None)
+            self.supervisor.kill_worker(worker.slot)
+        self._dispatch()
+
+    def _reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
+        self._send_client(client, protocol.FINAL, {"request_id": request_id, "ok": True, "result": result})
+
+    def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
+        log.info("request_refused", request_id=request_id, kind=kind, reason=message)
+        self._send_client(
+            client, protocol.FINAL, {"request_id": request_id, "ok": False, "error": protocol.error_body(kind, message)}
+        )
+
+    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
+        try:
+            self.frontend.send_multipart([client, *protocol.message(command, body, *frames)], copy=False)
+        except zmq.ZMQError as exc:
+            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
+            log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(protocol.HEARTBEAT_INTERVAL_SECONDS)
+            for client in {r.client for r in self.requests.values()}:
+                self._send_client(client, protocol.HEARTBEAT, {})
+
+    # --- status ---
+
+    def health(self) -> dict[str, Any]:
+        running = sum(1 for r in self.requests.values() if r.state == "running")
+        waiting = len(self.requests) - running
+        return {
+            "status": "draining" if self.draining else "ok",
+            "instance_id": self.instance_id,
+            "started_at": self.started_at,
+            "hostname": stdlib_socket.gethostname(),
+            "gpu_count": len(self.gpu_ids),
+            "fake_gpus": self.target.fake,
+            "load": {
+                "request_capacity": len(self.supervisor.slots),
+                "requests_in_progress": running,
+                "requests_waiting": waiting,
+                "max_queued": self.settings.max_queued,
+            },
+            "workers": {
+                "slots": len(self.supervisor.slots),
+                "idle": len(self.idle),
+                "busy": sum(1 for w in self.workers.values() if w.request_id is not None),
+                "zygotes": self.supervisor.snapshot(),
+            },
+            "leases": self.leases.snapshot(),
+            "cache": self.blobs.stats(),
+            "counters": {"completed": self.completed, "failed": self.failed},
+            "sandbox": self.settings.sandbox,
+            "target": self.target.to_wire(),
+            "versions": versions(),
+        }
+
+
+def _declared_bytes(program: dict[str, Any]) -> int:
+    total = 0
+    for ins in program.get("instructions", []):
+        if isinstance(ins, dict):
+            size = ins.get("size")
+            if isinstance(size, int) and size > 0:
+                total += size
+            spec = ins.get("tensor")
+            if isinstance(spec, protocol.TensorSpec):
+                total += spec.nbytes
+            for entry in ins.get("files") or []:
+                if isinstance(entry, list) and len(entry) >= 4 and isinstance(entry[3], int):
+                    total += entry[3]
+    return total
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "protocol": protocol.VERSION.decode()}
+    for package in ("kcoral", "pyzmq", "msgpack", "torch", "numpy"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[package] = metadata.version(package)
+    found["libzmq"] = zmq.zmq_version()
+    return found
+
+
+async def run_broker(settings: BrokerSettings) -> int:
+    broker = Broker(settings)
+    return await broker.serve()
+
+
+def install_event_loop_policy() -> None:
+    """Use uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+__all__ = ["Broker", "BrokerSettings", "install_event_loop_policy", "run_broker"]

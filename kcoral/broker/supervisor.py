@@ -1,0 +1,240 @@
+"""The supervisor: starts one zygote per worker slot, relays its events, restarts it when it dies.
+
+The broker learns of a worker's death from here (the zygote reports each child's exit status at
+once), not from a missed heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("kcoral.supervisor")
+
+RESTART_BACKOFF_FIRST_SECONDS = 0.2
+RESTART_BACKOFF_MAX_SECONDS = 10.0
+HEALTHY_AFTER_SECONDS = 30.0  # a zygote alive this long resets its back-off
+STOP_GRACE_SECONDS = 5.0
+MAX_EVENT_LINE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One worker slot: its GPU (or None), private workspace and zygote command."""
+
+    slot: int
+    gpu: int | None
+    workspace: Path
+    argv: tuple[str, ...]  # full command, sandbox prefix included
+    env: dict[str, str] | None = None
+
+
+@dataclass
+class SlotState:
+    spec: SlotSpec
+    process: asyncio.subprocess.Process | None = None
+    zygote_pid: int | None = None
+    worker: str | None = None
+    worker_pid: int | None = None
+    restarts: int = 0
+    state: str = "starting"
+    last_error: str = ""
+    started_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    slot: int
+    worker: str
+    returncode: int | None
+    signal: int | None
+    leftovers_killed: int = 0
+    zygote_died: bool = False
+
+    def describe(self) -> str:
+        if self.zygote_died:
+            return "its zygote died"
+        if self.signal is not None:
+            return f"killed by signal {self.signal}"
+        return f"exit code {self.returncode}"
+
+
+@dataclass
+class Supervisor:
+    """Runs the zygotes; ``on_exit`` hears of every worker that ended."""
+
+    slots: list[SlotSpec]
+    on_exit: Callable[[WorkerExit], None]
+    states: dict[int, SlotState] = field(default_factory=dict)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopping: bool = False
+
+    async def start(self) -> None:
+        for spec in self.slots:
+            self.states[spec.slot] = SlotState(spec)
+            self._tasks.append(asyncio.create_task(self._keep_running(spec.slot)))
+
+    def kill_worker(self, slot: int) -> None:
+        """Kill the slot's current worker and everything it started."""
+        self._command(slot, {"cmd": "kill"})
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for slot in self.states:
+            self._command(slot, {"cmd": "stop"})
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for state in self.states.values():
+            if state.process is not None and state.process.returncode is None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(state.process.wait(), max(0.1, deadline - time.monotonic()))
+                if state.process.returncode is None:
+                    state.process.kill()
+                    await state.process.wait()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "slot": s.spec.slot,
+                "gpu": s.spec.gpu,
+                "state": s.state,
+                "zygote_pid": s.zygote_pid,
+                "worker": s.worker,
+                "restarts": s.restarts,
+                "last_error": s.last_error,
+            }
+            for s in self.states.values()
+        ]
+
+    def _command(self, slot: int, command: dict[str, Any]) -> None:
+        state = self.states.get(slot)
+        if state is None or state.process is None or state.process.stdin is None:
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            state.process.stdin.write((json.dumps(command) + "\n").encode())
+
+    async def _keep_running(self, slot: int) -> None:
+        state = self.states[slot]
+        backoff = RESTART_BACKOFF_FIRST_SECONDS
+        while not self._stopping:
+            state.started_at = time.monotonic()
+            await self._run_zygote(state)
+            if self._stopping:
+                return
+            state.restarts += 1
+            state.state = "restarting"
+            if time.monotonic() - state.started_at > HEALTHY_AFTER_SECONDS:
+                backoff = RESTART_BACKOFF_FIRST_SECONDS
+            log.warning(
+                "zygote_restart", slot=slot, restarts=state.restarts, backoff_s=backoff, reason=state.last_error
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RESTART_BACKOFF_MAX_SECONDS)
+
+    async def _run_zygote(self, state: SlotState) -> None:
+        spec = state.spec
+        spec.workspace.mkdir(parents=True, exist_ok=True)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *spec.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=spec.env if spec.env is not None else dict(os.environ),
+                limit=MAX_EVENT_LINE_BYTES,
+            )
+        except OSError as exc:
+            state.last_error = f"cannot start the zygote: {exc}"
+            log.error("zygote_start_failed", slot=spec.slot, error=str(exc))
+            return
+        state.process = process
+        state.zygote_pid = process.pid
+        state.state = "starting"
+        log.info("zygote_started", slot=spec.slot, gpu=spec.gpu, pid=process.pid)
+        assert process.stdout is not None
+        while True:
+            try:
+                line = await process.stdout.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                continue
+            if not line:
+                break
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            self._handle_event(state, event)
+        code = await process.wait()
+        if not self._stopping:
+            state.last_error = f"zygote exited with code {code}"
+            log.error("zygote_died", slot=spec.slot, gpu=spec.gpu, returncode=code)
+        if state.worker is not None:
+            self.on_exit(WorkerExit(spec.slot, state.worker, None, None, zygote_died=True))
+            state.worker = None
+        state.state = "stopped"
+
+    def _handle_event(self, state: SlotState, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "ready":
+            state.state = "running"
+        elif kind == "forked":
+            state.worker = str(event.get("worker"))
+            state.worker_pid = event.get("pid")
+        elif kind == "exited":
+            worker = str(event.get("worker"))
+            if state.worker == worker:
+                state.worker = None
+            self.on_exit(
+                WorkerExit(
+                    state.spec.slot,
+                    worker,
+                    event.get("returncode"),
+                    event.get("signal"),
+                    int(event.get("leftovers_killed") or 0),
+                )
+            )
+
+
+def zygote_command(
+    *,
+    connect: str,
+    slot: int,
+    gpu: int | None,
+    workspace: Path,
+    max_programs: int,
+    limits: dict[str, int],
+    preload: str = "numpy,torch",
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "kcoral.worker.zygote",
+        "--connect",
+        connect,
+        "--slot",
+        str(slot),
+        "--workspace",
+        str(workspace),
+        "--max-programs",
+        str(max_programs),
+        "--preload",
+        preload,
+        "--limits",
+        json.dumps(limits),
+    ]
+    if gpu is not None:
+        argv += ["--gpu", str(gpu)]
+    return argv

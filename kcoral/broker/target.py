@@ -1,0 +1,113 @@
+"""What this host's programs run on: its GPUs (real or fake), found without initialising CUDA.
+
+The broker never creates a CUDA context itself (it would hold GPU memory and could disturb
+measurements), so GPUs are listed with ``nvidia-smi``.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+NVIDIA_SMI_TIMEOUT_SECONDS = 20.0
+
+
+class TargetError(RuntimeError):
+    """Raised when the requested device cannot be served here (say, --device gpu with no GPU)."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    compute_capability: str
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    device: str  # "gpu" or "cpu"
+    gpus: tuple[GpuInfo, ...] = ()
+    fake: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def lease_gpus(self) -> tuple[int, ...]:
+        if self.fake:
+            return tuple(range(self.fake))
+        return tuple(g.index for g in self.gpus)
+
+    def to_wire(self) -> dict[str, Any]:
+        arch = sorted({g.compute_capability for g in self.gpus})
+        return {
+            "device": self.device,
+            "fake_gpus": self.fake,
+            "gpus": [
+                {
+                    "index": g.index,
+                    "name": g.name,
+                    "compute_capability": g.compute_capability,
+                    "memory_mib": g.memory_mib,
+                }
+                for g in self.gpus
+            ],
+            "arch": [f"sm_{a.replace('.', '')}" for a in arch],
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            **self.extra,
+        }
+
+
+def list_gpus() -> list[GpuInfo]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_SECONDS,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 4 and parts[0].isdigit():
+            memory = int(parts[3]) if parts[3].isdigit() else 0
+            gpus.append(GpuInfo(int(parts[0]), parts[1], parts[2], memory))
+    return gpus
+
+
+def describe_target(device: str, gpus: tuple[int, ...] | None, fake_gpus: int) -> TargetInfo:
+    """Decide what the broker serves: fake GPUs, the chosen real GPUs, or CPU workers."""
+    extra = {}
+    for package in ("torch", "triton", "cupti-python"):
+        try:
+            extra[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    if fake_gpus:
+        if device == "gpu":
+            raise TargetError("--fake-gpus is for hosts without GPUs; leave out --device gpu")
+        return TargetInfo("cpu", (), fake_gpus, extra)
+    if device == "cpu":
+        return TargetInfo("cpu", (), 0, extra)
+    found = list_gpus()
+    if gpus is not None:
+        known = {g.index for g in found}
+        missing = [g for g in gpus if g not in known]
+        if missing:
+            raise TargetError(f"--gpus names GPUs this host lacks: {missing}; it has {sorted(known)}")
+        found = [g for g in found if g.index in gpus]
+    if not found:
+        if device == "gpu":
+            raise TargetError("--device gpu, but nvidia-smi lists no GPU on this host")
+        return TargetInfo("cpu", (), 0, extra)
+    return TargetInfo("gpu", tuple(found), 0, extra)

@@ -1,0 +1,952 @@
+"""Helpers for uploaded code: GPU timing (``benchmark``) and the CPU-only guard (``GpuAccessGuard``).
+
+Uploaded code imports this module (``from kcoral.builtins import benchmark``), so its top level
+imports nothing heavy: torch, cupti-python and pynvml are imported inside the functions that need
+them.
+
+How ``benchmark`` times a call
+------------------------------
+Each timed call is bracketed with a CUPTI *external correlation id* (``activity_push_external_
+correlation_id`` before the call, ``activity_pop_external_correlation_id`` after it). CUPTI then
+writes, for every CUDA runtime and driver API call made on this thread inside the bracket, an
+``EXTERNAL_CORRELATION`` record that maps the API call's correlation id to our id; every kernel,
+memcpy and memset record carries the correlation id of the API call that launched it, on whatever
+stream. A call's latency is the span from its first activity start to its last activity end.
+
+Why external correlation rather than a callback subscription: a subscription runs a Python
+function on *every* CUDA API call (torch makes several per op), which perturbs the host side of the
+measurement, and CUPTI allows one subscriber per process, which ``GpuAccessGuard`` (and profilers)
+also want. External correlation costs two C calls per timed call. CUPTI only writes the
+correlation records while API activity (``RUNTIME``/``DRIVER``) is enabled, so those kinds are
+enabled around the probe and the counted calls only, not during warm-up.
+
+Between calls the L2 cache is flushed by *reading* a buffer twice the L2 size (a read leaves clean
+lines, so the next call pays no write-back for the flush), then the device is synchronised, all
+outside the bracket. Before counting, the call runs until NVML reports a steady SM clock (bounded),
+then for the warm-up budget.
+
+Without cupti-python (or when it fails to initialise) the fallback is a pair of CUDA events around
+each call on the current stream; ``method`` in the result says which was used. Events see only
+work ordered on the current stream, and cannot tell a call that launched nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, NamedTuple, Self
+
+from kcoral.errors import ExecutionError
+
+__all__ = ["CONFIG_KEYS", "BenchmarkConfig", "GpuAccessGuard", "benchmark", "gpu_access_guard"]
+
+# Limits: a single benchmark() stays bounded even with careless configs.
+MAX_COUNT: Final = 10_000
+MAX_BUDGET_MS: Final = 10_000.0
+MAX_CLOCK_WARMUP_MS: Final = 10_000.0
+
+DEFAULT_WARMUP_MS: Final = 25.0
+DEFAULT_REPEAT_MS: Final = 100.0
+DEFAULT_CLOCK_WARMUP_MS: Final = 1_000.0
+
+# The clock is "steady" once this many NVML samples, at least this far apart, lie within this
+# fraction of their maximum. NVML refreshes clocks every few ms; 10 ms apart avoids re-reading one.
+CLOCK_STEADY_SAMPLES: Final = 5
+CLOCK_SAMPLE_INTERVAL_S: Final = 0.010
+CLOCK_STEADY_TOLERANCE: Final = 0.01
+
+# Calls run to estimate one iteration's wall time when no clock warm-up ran.
+ESTIMATE_CALLS: Final = 5
+# Flush buffer size as a multiple of the L2 size; used when torch does not report the L2 size.
+L2_FLUSH_FACTOR: Final = 2
+FALLBACK_L2_BYTES: Final = 64 * 1024 * 1024
+# CUPTI activity buffer handed out per request (records are small; 8 MiB holds ~100k).
+CUPTI_BUFFER_BYTES: Final = 8 * 1024 * 1024
+
+METHODS: Final = frozenset({"auto", "cupti", "cuda_event"})
+CONFIG_KEYS: Final = frozenset({"warmup_ms", "repeat_ms", "warmup", "repeat", "flush_l2", "clock_warmup_ms", "method"})
+
+# NVML clock event ("throttle") reason bits, named as nvidia-smi names them. Kept here rather than
+# read from pynvml because the constant names moved between nvidia-ml-py releases.
+THROTTLE_REASONS: Final[tuple[tuple[int, str], ...]] = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+# Reasons that mean the clock was pulled below what the work asked for. Idle, application clocks and
+# display settings are states, not slowdowns.
+SLOWDOWN_MASK: Final = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """Settings of one ``benchmark`` run; build it with ``BenchmarkConfig.from_mapping``."""
+
+    warmup_ms: float = DEFAULT_WARMUP_MS
+    repeat_ms: float = DEFAULT_REPEAT_MS
+    warmup: int | None = None
+    repeat: int | None = None
+    flush_l2: bool = True
+    clock_warmup_ms: float = DEFAULT_CLOCK_WARMUP_MS
+    method: str = "auto"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> BenchmarkConfig:
+        """Validate a user's config dict; any problem raises ``ExecutionError("parse", ...)``."""
+        if not isinstance(values, Mapping):
+            raise ExecutionError("parse", f"benchmark config must be a dict, not {type(values).__name__}")
+        unknown = sorted(str(key) for key in values if key not in CONFIG_KEYS)
+        if unknown:
+            raise ExecutionError(
+                "parse",
+                f"unknown benchmark config key(s) {unknown}; known keys: {sorted(CONFIG_KEYS)}",
+            )
+        method = values.get("method", "auto")
+        if method not in METHODS:
+            raise ExecutionError("parse", f"benchmark method must be one of {sorted(METHODS)}, not {method!r}")
+        flush_l2 = values.get("flush_l2", True)
+        if not isinstance(flush_l2, bool):
+            raise ExecutionError("parse", f"flush_l2 must be true or false, not {flush_l2!r}")
+        return cls(
+            warmup_ms=_budget(values, "warmup_ms", DEFAULT_WARMUP_MS, MAX_BUDGET_MS),
+            repeat_ms=_budget(values, "repeat_ms", DEFAULT_REPEAT_MS, MAX_BUDGET_MS),
+            warmup=_count(values, "warmup", minimum=0),
+            repeat=_count(values, "repeat", minimum=1),
+            flush_l2=flush_l2,
+            clock_warmup_ms=_budget(values, "clock_warmup_ms", DEFAULT_CLOCK_WARMUP_MS, MAX_CLOCK_WARMUP_MS),
+            method=method,
+        )
+
+
+def _budget(values: Mapping[str, Any], key: str, default: float, cap: float) -> float:
+    value = values.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ExecutionError("parse", f"{key} must be a non-negative number of milliseconds, not {value!r}")
+    return min(float(value), cap)
+
+
+def _count(values: Mapping[str, Any], key: str, *, minimum: int) -> int | None:
+    value = values.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ExecutionError("parse", f"{key} must be an integer >= {minimum}, not {value!r}")
+    return min(value, MAX_COUNT)
+
+
+def split_config(args: Sequence[Any], config: Mapping[str, Any] | None) -> tuple[tuple[Any, ...], BenchmarkConfig]:
+    """Separate the call's arguments from the benchmark config.
+
+    The config is ``config=`` when given; otherwise a trailing non-empty dict whose keys are all
+    config keys. A trailing dict that mixes config keys with other keys is taken for a mistyped
+    config (a parse error) rather than silently passed on to the function.
+    """
+    call_args = tuple(args)
+    if config is not None:
+        return call_args, BenchmarkConfig.from_mapping(config)
+    if call_args and isinstance(call_args[-1], dict) and call_args[-1]:
+        last: dict[Any, Any] = call_args[-1]
+        known = [key for key in last if key in CONFIG_KEYS]
+        if len(known) == len(last):
+            return call_args[:-1], BenchmarkConfig.from_mapping(last)
+        if known:
+            BenchmarkConfig.from_mapping(last)  # raises the parse error naming the unknown keys
+    return call_args, BenchmarkConfig()
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def summarize(samples_ms: Sequence[float]) -> dict[str, float]:
+    """Median, mean, min, max and sample standard deviation of latencies in milliseconds."""
+    if not samples_ms:
+        raise ValueError("no samples to summarize")
+    return {
+        "latency_ms_median": float(statistics.median(samples_ms)),
+        "latency_ms_mean": float(statistics.fmean(samples_ms)),
+        "latency_ms_min": float(min(samples_ms)),
+        "latency_ms_max": float(max(samples_ms)),
+        "latency_ms_std": float(statistics.stdev(samples_ms)) if len(samples_ms) > 1 else 0.0,
+    }
+
+
+def activities_stable(signatures: Sequence[Sequence[tuple[str, str]]]) -> bool:
+    """True when every call launched the same activities (kind and name), in any order."""
+    canonical = {tuple(sorted(signature)) for signature in signatures}
+    return len(canonical) <= 1
+
+
+def count_from_budget(budget_ms: float, per_call_ms: float, *, minimum: int) -> int:
+    """How many calls of ``per_call_ms`` fit the budget, between ``minimum`` and ``MAX_COUNT``."""
+    if per_call_ms <= 0 or not math.isfinite(per_call_ms):
+        return MAX_COUNT if budget_ms > 0 else minimum
+    return max(minimum, min(MAX_COUNT, math.ceil(budget_ms / per_call_ms)))
+
+
+def clock_is_steady(
+    samples_mhz: Sequence[float],
+    *,
+    window: int = CLOCK_STEADY_SAMPLES,
+    tolerance: float = CLOCK_STEADY_TOLERANCE,
+) -> bool:
+    """True when the last ``window`` clock samples lie within ``tolerance`` of their maximum."""
+    if len(samples_mhz) < window:
+        return False
+    recent = samples_mhz[-window:]
+    top = max(recent)
+    return top > 0 and (top - min(recent)) <= tolerance * top
+
+
+def throttle_reason_names(mask: int | None) -> list[str] | None:
+    """Names of the NVML clock event reasons set in ``mask`` (None when NVML gave none)."""
+    if mask is None:
+        return None
+    names = [name for bit, name in THROTTLE_REASONS if mask & bit]
+    known = 0
+    for bit, _ in THROTTLE_REASONS:
+        known |= bit
+    if mask & ~known:
+        names.append(f"other_0x{mask & ~known:x}")
+    return names
+
+
+class Activity(NamedTuple):
+    """One GPU activity record, reduced to what timing needs."""
+
+    kind: str
+    correlation_id: int
+    start_ns: int
+    end_ns: int
+    name: str
+
+
+@dataclass(frozen=True)
+class CallTimings:
+    """Per-call spans (in call order) and what each call launched."""
+
+    spans_ms: list[float]
+    signatures: list[list[tuple[str, str]]]
+    empty_calls: int
+
+
+def spans_by_call(
+    activities: Iterable[Activity], external_ids: Mapping[int, int], call_ids: Sequence[int]
+) -> CallTimings:
+    """Group activities by the timed call that launched them and take each call's span.
+
+    ``external_ids`` maps a CUPTI correlation id to the external id pushed around the call that made
+    it. Calls that launched nothing are counted in ``empty_calls`` and left out of the spans.
+    """
+    wanted = set(call_ids)
+    bounds: dict[int, list[int]] = {}
+    launched: dict[int, list[tuple[str, str]]] = {}
+    for activity in activities:
+        call = external_ids.get(activity.correlation_id)
+        if call is None or call not in wanted:
+            continue
+        span = bounds.get(call)
+        if span is None:
+            bounds[call] = [activity.start_ns, activity.end_ns]
+            launched[call] = [(activity.kind, activity.name)]
+        else:
+            span[0] = min(span[0], activity.start_ns)
+            span[1] = max(span[1], activity.end_ns)
+            launched[call].append((activity.kind, activity.name))
+    spans_ms: list[float] = []
+    signatures: list[list[tuple[str, str]]] = []
+    empty = 0
+    for call in call_ids:
+        if call not in bounds:
+            empty += 1
+            continue
+        start, end = bounds[call]
+        spans_ms.append(max(0, end - start) / 1e6)
+        signatures.append(launched[call])
+    return CallTimings(spans_ms=spans_ms, signatures=signatures, empty_calls=empty)
+
+
+# ----------------------------------------------------------------------------- CUPTI
+
+
+class CuptiUnavailable(Exception):
+    """Raised when cupti-python cannot be imported or set up; the caller falls back to events."""
+
+
+# Our own external-correlation kind: torch's profiler (Kineto) pushes CUSTOM0 and CUSTOM1.
+_EXTERNAL_KIND_NAME: Final = "CUSTOM2"
+
+
+class _CuptiTracer:
+    """Process-wide CUPTI activity collector (CUPTI takes one set of buffer callbacks per process)."""
+
+    _instance: _CuptiTracer | None = None
+    _instance_error: str | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        try:
+            from cupti import cupti
+        except Exception as exc:  # ImportError, or a missing libcupti raised from inside the import
+            raise CuptiUnavailable(f"cupti-python is not importable: {exc}") from exc
+        self._cupti: Any = cupti
+        kinds = cupti.ActivityKind
+        self._device_kinds: list[Any] = [kinds.CONCURRENT_KERNEL, kinds.MEMCPY, kinds.MEMSET]
+        if hasattr(kinds, "MEMCPY2"):
+            self._device_kinds.append(kinds.MEMCPY2)
+        self._correlation_kinds: list[Any] = [kinds.RUNTIME, kinds.DRIVER, kinds.EXTERNAL_CORRELATION]
+        self._kind_names = {int(kind): kind.name.lower() for kind in self._device_kinds}
+        self._kernel_kind = int(kinds.CONCURRENT_KERNEL)
+        self._memcpy_kinds = {int(kinds.MEMCPY)} | ({int(kinds.MEMCPY2)} if hasattr(kinds, "MEMCPY2") else set())
+        self._external_record_kind = int(kinds.EXTERNAL_CORRELATION)
+        self.external_kind: Any = getattr(cupti.ExternalCorrelationKind, _EXTERNAL_KIND_NAME)
+        self._lock = threading.Lock()
+        self._activities: list[Activity] = []
+        self._external: dict[int, int] = {}
+        self._enabled: list[Any] = []
+        try:
+            cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        except Exception as exc:
+            raise CuptiUnavailable(f"CUPTI activity callbacks could not be registered: {exc}") from exc
+
+    @classmethod
+    def get(cls) -> _CuptiTracer:
+        with cls._instance_lock:
+            if cls._instance is None:
+                if cls._instance_error is not None:
+                    raise CuptiUnavailable(cls._instance_error)
+                try:
+                    cls._instance = cls()
+                except CuptiUnavailable as exc:
+                    # Remembered: a failed libcupti load does not get better within a process.
+                    cls._instance_error = str(exc)
+                    raise
+            return cls._instance
+
+    # CUPTI calls these from its own thread or from activity_flush_all; they must never raise.
+    @staticmethod
+    def _buffer_requested() -> tuple[int, int]:
+        return CUPTI_BUFFER_BYTES, 0
+
+    def _buffer_completed(self, records: Iterable[Any]) -> None:
+        try:
+            activities: list[Activity] = []
+            external: dict[int, int] = {}
+            for record in records:
+                kind = int(record.kind)
+                if kind == self._external_record_kind:
+                    if int(record.external_kind) == int(self.external_kind):
+                        external[int(record.correlation_id)] = int(record.external_id)
+                    continue
+                kind_name = self._kind_names.get(kind)
+                if kind_name is None:
+                    continue  # API records: needed by CUPTI to emit correlations, not by us
+                if kind == self._kernel_kind:
+                    name = str(record.name)
+                elif kind in self._memcpy_kinds:
+                    name = f"copy_kind_{int(getattr(record, 'copy_kind', 0))}"
+                else:
+                    name = ""
+                activities.append(
+                    Activity(kind_name, int(record.correlation_id), int(record.start), int(record.end), name)
+                )
+            with self._lock:
+                self._activities.extend(activities)
+                self._external.update(external)
+        except Exception as exc:
+            print(f"kcoral.builtins: CUPTI record processing failed: {exc!r}", file=sys.stderr)
+
+    def enable(self, *, correlation: bool) -> None:
+        kinds = self._device_kinds + (self._correlation_kinds if correlation else [])
+        for kind in kinds:
+            if kind not in self._enabled:
+                self._cupti.activity_enable(kind)
+                self._enabled.append(kind)
+
+    def disable(self) -> None:
+        while self._enabled:
+            kind = self._enabled.pop()
+            try:
+                self._cupti.activity_disable(kind)
+            except self._cupti.cuptiError as exc:
+                print(f"kcoral.builtins: CUPTI activity_disable failed: {exc!r}", file=sys.stderr)
+
+    def push(self, external_id: int) -> None:
+        self._cupti.activity_push_external_correlation_id(self.external_kind, external_id)
+
+    def pop(self) -> None:
+        self._cupti.activity_pop_external_correlation_id(self.external_kind)
+
+    def drain(self) -> tuple[list[Activity], dict[int, int]]:
+        """Flush every buffer (complete or not) and take what was recorded so far."""
+        self._cupti.activity_flush_all(1)  # 1 = CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+        with self._lock:
+            activities, self._activities = self._activities, []
+            external, self._external = self._external, {}
+        return activities, external
+
+
+# Each benchmark() takes a fresh block of external ids so stray records of an earlier run in the
+# same process can never be attributed to this one.
+_EXTERNAL_ID_BLOCK: Final = 1 << 20
+_external_id_lock = threading.Lock()
+_next_external_block = 1
+
+
+def _reserve_external_ids() -> int:
+    global _next_external_block
+    with _external_id_lock:
+        base = _next_external_block * _EXTERNAL_ID_BLOCK
+        _next_external_block += 1
+    return base
+
+
+# ----------------------------------------------------------------------------- NVML
+
+
+class _Nvml:
+    """SM clock and clock-event reasons of one GPU; every method returns None when NVML cannot answer."""
+
+    def __init__(self, handle: Any, module: Any) -> None:
+        self._handle = handle
+        self._nvml = module
+
+    @classmethod
+    def open(cls, torch: Any, device: int) -> _Nvml | None:
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        try:
+            pynvml.nvmlInit()  # reference-counted by NVML: repeated calls are cheap and harmless
+        except pynvml.NVMLError:
+            return None
+        props = torch.cuda.get_device_properties(device)
+        # CUDA_VISIBLE_DEVICES renumbers devices, so match NVML's device by UUID, then by PCI id.
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None:
+            text = str(uuid)  # torch prints the bare UUID; NVML wants the "GPU-" prefix
+            candidate = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+            with contextlib.suppress(pynvml.NVMLError):
+                return cls(pynvml.nvmlDeviceGetHandleByUUID(candidate), pynvml)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is not None:
+            pci = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+            with contextlib.suppress(pynvml.NVMLError):
+                return cls(pynvml.nvmlDeviceGetHandleByPciBusId(pci), pynvml)
+        return None
+
+    def sm_clock_mhz(self) -> int | None:
+        try:
+            return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+        except self._nvml.NVMLError:
+            return None
+
+    def clock_event_reasons(self) -> int | None:
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            getter = getattr(self._nvml, name, None)
+            if getter is None:
+                continue
+            with contextlib.suppress(self._nvml.NVMLError):
+                return int(getter(self._handle))
+        return None
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def _import_torch_with_gpu() -> Any:
+    try:
+        import torch
+    except Exception as exc:
+        raise ExecutionError(
+            "unavailable", f"benchmark needs PyTorch with CUDA; torch is not importable: {exc}"
+        ) from exc
+    if not torch.cuda.is_available():
+        raise ExecutionError(
+            "unavailable",
+            "benchmark needs a CUDA GPU, and torch.cuda.is_available() is False on this host "
+            "(no GPU assigned to this program, or a CPU-only torch build)",
+        )
+    return torch
+
+
+class _Runner:
+    """Runs the user's call with the L2 flush and synchronisation around it."""
+
+    def __init__(self, torch: Any, fn: Callable[..., Any], args: tuple[Any, ...], flush_l2: bool) -> None:
+        self.torch = torch
+        self._fn = fn
+        self._args = args
+        self._flush_buffer: Any = None
+        if flush_l2:
+            device = torch.cuda.current_device()
+            l2_bytes = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+            l2_bytes = l2_bytes if l2_bytes > 0 else FALLBACK_L2_BYTES
+            # float32 so the read-reduction runs at full bandwidth; zeroed once so sums stay finite.
+            elements = L2_FLUSH_FACTOR * l2_bytes // 4
+            self._flush_buffer = torch.zeros(elements, dtype=torch.float32, device=device)
+
+    def flush(self) -> None:
+        if self._flush_buffer is not None:
+            self._flush_buffer.sum()
+
+    def call(self) -> None:
+        self._fn(*self._args)
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def iteration(self) -> None:
+        self.flush()
+        self.call()
+        self.synchronize()
+
+
+@dataclass
+class _Measurement:
+    samples_ms: list[float]
+    stable: bool
+    empty_calls: int
+    activities_per_call: int | None
+
+
+class _CuptiTimer:
+    method = "cupti"
+
+    def __init__(self, tracer: _CuptiTracer) -> None:
+        self._tracer = tracer
+
+    def probe(self, runner: _Runner) -> None:
+        """Run one traced call; a call that launches no GPU work cannot be timed."""
+        base = _reserve_external_ids()
+        self._traced_calls(runner, [base])
+        activities, external = self._tracer.drain()
+        timings = spans_by_call(activities, external, [base])
+        if timings.empty_calls:
+            raise ExecutionError(
+                "unavailable",
+                "the benchmarked call launched no GPU work (no kernel, memcpy or memset was recorded); "
+                "there is nothing to time",
+            )
+
+    def measure(self, runner: _Runner, repeat: int, nvml: _Nvml | None) -> tuple[_Measurement, dict[str, Any]]:
+        base = _reserve_external_ids()
+        call_ids = [base + index for index in range(repeat)]
+        self._traced_calls(runner, call_ids)
+        after = _clock_state(nvml)
+        activities, external = self._tracer.drain()
+        timings = spans_by_call(activities, external, call_ids)
+        if not timings.spans_ms:
+            raise ExecutionError("unavailable", "the benchmarked call launched no GPU work during the counted calls")
+        counts = {len(signature) for signature in timings.signatures}
+        return (
+            _Measurement(
+                samples_ms=timings.spans_ms,
+                stable=timings.empty_calls == 0 and activities_stable(timings.signatures),
+                empty_calls=timings.empty_calls,
+                activities_per_call=counts.pop() if len(counts) == 1 else None,
+            ),
+            after,
+        )
+
+    def _traced_calls(self, runner: _Runner, call_ids: Sequence[int]) -> None:
+        tracer = self._tracer
+        runner.synchronize()
+        tracer.enable(correlation=True)
+        try:
+            for call_id in call_ids:
+                runner.flush()
+                runner.synchronize()  # side-stream work of the call must not overlap the flush
+                tracer.push(call_id)
+                try:
+                    runner.call()
+                finally:
+                    tracer.pop()
+                runner.synchronize()
+        finally:
+            tracer.disable()
+
+
+class _EventTimer:
+    method = "cuda_event"
+
+    def probe(self, runner: _Runner) -> None:
+        runner.iteration()
+
+    def measure(self, runner: _Runner, repeat: int, nvml: _Nvml | None) -> tuple[_Measurement, dict[str, Any]]:
+        torch = runner.torch
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
+        runner.synchronize()
+        # No host synchronisation between calls: the stream orders flush and call, and a host that
+        # waits would let the launch latency into the event interval.
+        for start, end in zip(starts, ends, strict=True):
+            runner.flush()
+            start.record()
+            runner.call()
+            end.record()
+        runner.synchronize()
+        after = _clock_state(nvml)
+        samples = [float(start.elapsed_time(end)) for start, end in zip(starts, ends, strict=True)]
+        return _Measurement(samples_ms=samples, stable=True, empty_calls=0, activities_per_call=None), after
+
+
+def _clock_state(nvml: _Nvml | None) -> dict[str, Any]:
+    if nvml is None:
+        return {"sm_clock_mhz": None, "reasons": None}
+    return {"sm_clock_mhz": nvml.sm_clock_mhz(), "reasons": nvml.clock_event_reasons()}
+
+
+def _warm_clock(runner: _Runner, nvml: _Nvml | None, budget_ms: float) -> tuple[bool | None, float, list[float]]:
+    """Run the call until the SM clock is steady or the budget is spent.
+
+    Returns (steady, milliseconds spent, wall time of each iteration in ms); steady is None when
+    NVML cannot read the clock or the budget is zero.
+    """
+    if nvml is None or budget_ms <= 0 or nvml.sm_clock_mhz() is None:
+        return None, 0.0, []
+    began = time.perf_counter()
+    deadline = began + budget_ms / 1e3
+    next_sample = began
+    samples: list[float] = []
+    iterations: list[float] = []
+    steady = False
+    while True:
+        tick = time.perf_counter()
+        runner.iteration()
+        now = time.perf_counter()
+        iterations.append((now - tick) * 1e3)
+        if now >= next_sample:
+            clock = nvml.sm_clock_mhz()
+            if clock is not None:
+                samples.append(float(clock))
+            next_sample = now + CLOCK_SAMPLE_INTERVAL_S
+            if clock_is_steady(samples):
+                steady = True
+                break
+        if now >= deadline:
+            break
+    return steady, (time.perf_counter() - began) * 1e3, iterations
+
+
+def _choose_timer(method: str) -> tuple[_CuptiTimer | _EventTimer, str | None]:
+    if method == "cuda_event":
+        return _EventTimer(), None
+    try:
+        return _CuptiTimer(_CuptiTracer.get()), None
+    except CuptiUnavailable as exc:
+        if method == "cupti":
+            raise ExecutionError("unavailable", f"CUPTI timing was requested but is unavailable: {exc}") from exc
+        return _EventTimer(), str(exc)
+
+
+def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Time ``fn(*args)`` on the GPU and return latency statistics in milliseconds.
+
+    Each counted call is timed from the start of its first GPU activity (kernel, memcpy, memset, on
+    any stream launched from this thread) to the end of its last, from CUPTI activity records; the
+    L2 cache is flushed between calls, outside the timed span. Before counting, the call runs until
+    the SM clock is steady (at most ``clock_warmup_ms``), then for the warm-up budget.
+
+    Config keys (``config={...}`` or a trailing dict argument): ``warmup_ms`` (25), ``repeat_ms``
+    (100), ``warmup`` and ``repeat`` (counts; they override the budgets), ``flush_l2`` (True),
+    ``clock_warmup_ms`` (1000; 0 skips the clock warm-up), ``method`` (``"auto"``, ``"cupti"`` or
+    ``"cuda_event"``). Counts are capped at 10000 and budgets at 10 s.
+
+    The result holds ``latency_ms_median``/``_mean``/``_min``/``_max``/``_std``, ``warmup`` and
+    ``repeat`` (counts used), ``flush_l2``, ``activities_stable`` (False when calls launched
+    different activities; always True with CUDA events, which cannot tell), ``method``
+    (``"cupti"`` or ``"cuda_event"``), ``sm_clock_mhz_before``/``_after``,
+    ``throttle_reasons_before``/``_after``, ``throttled`` (None where NVML is missing) and ``gpu``.
+
+    Raises ``ExecutionError("parse")`` for a bad config and ``ExecutionError("unavailable")`` when
+    there is no GPU or the call launches no GPU work.
+
+    Example::
+
+        import torch
+        from kcoral.builtins import benchmark
+
+        a = torch.randn(1 << 24, device="cuda")
+        b = torch.randn_like(a)
+        out = torch.empty_like(a)
+        result = benchmark(lambda x, y: torch.add(x, y, out=out), a, b, {"repeat": 200})
+        print(result["latency_ms_median"], result["method"])   # e.g. 0.0329 cupti
+    """
+    call_args, settings = split_config(args, config)
+    torch = _import_torch_with_gpu()
+    device = torch.cuda.current_device()
+    timer, cupti_error = _choose_timer(settings.method)
+    runner = _Runner(torch, fn, call_args, settings.flush_l2)
+    nvml = _Nvml.open(torch, device)
+
+    # The first call pays one-off costs (compilation, autotuning, handles); keep it out of the probe.
+    runner.iteration()
+    if isinstance(timer, _CuptiTimer):
+        try:
+            timer.probe(runner)
+        except ExecutionError:
+            raise
+        except Exception as exc:
+            if settings.method == "cupti" or _is_user_error(exc):
+                raise
+            # CUPTI loaded but refused to trace (e.g. another profiler owns it): fall back.
+            cupti_error = f"CUPTI tracing failed: {exc!r}"
+            timer = _EventTimer()
+
+    clock_steady, clock_warmup_ms, iteration_ms = _warm_clock(runner, nvml, settings.clock_warmup_ms)
+    if len(iteration_ms) < ESTIMATE_CALLS:
+        for _ in range(ESTIMATE_CALLS - len(iteration_ms)):
+            tick = time.perf_counter()
+            runner.iteration()
+            iteration_ms.append((time.perf_counter() - tick) * 1e3)
+    # The median of the latest iterations: early ones can still include clock ramp-up.
+    per_call_ms = float(statistics.median(iteration_ms[-max(ESTIMATE_CALLS, len(iteration_ms) // 2) :]))
+
+    warmup = (
+        settings.warmup
+        if settings.warmup is not None
+        else count_from_budget(settings.warmup_ms, per_call_ms, minimum=1)
+    )
+    repeat = (
+        settings.repeat
+        if settings.repeat is not None
+        else count_from_budget(settings.repeat_ms, per_call_ms, minimum=1)
+    )
+    for _ in range(warmup):
+        runner.iteration()
+
+    before = _clock_state(nvml)
+    measurement, after = timer.measure(runner, repeat, nvml)
+
+    result: dict[str, Any] = summarize(measurement.samples_ms)
+    reasons_after = after["reasons"]
+    result.update(
+        {
+            "warmup": warmup,
+            "repeat": repeat,
+            "samples": len(measurement.samples_ms),
+            "empty_calls": measurement.empty_calls,
+            "flush_l2": settings.flush_l2,
+            "activities_stable": measurement.stable,
+            "activities_per_call": measurement.activities_per_call,
+            "method": timer.method,
+            "cupti_error": cupti_error,
+            "clock_steady": clock_steady,
+            "clock_warmup_ms": round(clock_warmup_ms, 3),
+            "sm_clock_mhz_before": before["sm_clock_mhz"],
+            "sm_clock_mhz_after": after["sm_clock_mhz"],
+            "throttle_reasons_before": throttle_reason_names(before["reasons"]),
+            "throttle_reasons_after": throttle_reason_names(reasons_after),
+            "throttled": None if reasons_after is None else bool(reasons_after & SLOWDOWN_MASK),
+            "gpu": str(torch.cuda.get_device_name(device)),
+            "device_index": int(device),
+        }
+    )
+    return result
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """True when the exception came from the user's function rather than from CUPTI."""
+    module = type(exc).__module__ or ""
+    return not module.startswith("cupti")
+
+
+# ----------------------------------------------------------------------------- GPU access guard
+
+# CUDA calls that only ask what exists (version, device count, error state) and touch no device:
+# torch.cuda.is_available() makes them, and CPU-only code may reasonably ask that.
+_HARMLESS_CUDA_CALLS: Final = frozenset(
+    {
+        "cuInit",
+        "cuDriverGetVersion",
+        "cuDeviceGetCount",
+        "cuDeviceGet",
+        "cuDeviceGetAttribute",
+        "cuDeviceGetName",
+        "cuDeviceGetUuid",
+        "cuDeviceTotalMem",
+        "cuDeviceComputeCapability",
+        "cuGetProcAddress",
+        "cuGetExportTable",
+        "cuGetErrorString",
+        "cuGetErrorName",
+        "cuCtxGetCurrent",
+        "cuCtxGetDevice",
+        "cudaGetDeviceCount",
+        "cudaGetDevice",
+        "cudaDriverGetVersion",
+        "cudaRuntimeGetVersion",
+        "cudaGetLastError",
+        "cudaPeekAtLastError",
+        "cudaGetErrorString",
+        "cudaGetErrorName",
+    }
+)
+_VERSION_SUFFIX: Final = re.compile(r"_v\d+$")
+
+
+def is_harmless_cuda_call(function_name: str) -> bool:
+    """True for CUDA API calls that only query (``cuCtxGetDevice_v2`` counts as ``cuCtxGetDevice``)."""
+    return _VERSION_SUFFIX.sub("", function_name) in _HARMLESS_CUDA_CALLS
+
+
+_guard_lock = threading.Lock()
+_cupti_guard_active = False
+
+
+class GpuAccessGuard:
+    """Fail CUDA use inside a ``cpu_only`` function.
+
+    Two layers, because neither alone is enough:
+
+    * Python: while active, ``torch.cuda._lazy_init`` (through which every torch CUDA entry point
+      initialises CUDA in a process where it is not yet initialised) raises
+      ``ExecutionError("gpu_access", ...)``. This needs no CUPTI, but only stops torch, and only
+      before CUDA was initialised in the process (torch imported before the guard is entered).
+    * CUPTI: a callback subscription on the runtime and driver API domains records the first CUDA
+      call that is more than a query, from any thread and any library. A CUPTI callback cannot make
+      the call fail, so it is recorded in ``violation``; after the function returns the worker calls
+      ``check()`` (or reads ``violation``) and fails the instruction with ``gpu_access``.
+
+    Example::
+
+        with GpuAccessGuard() as guard:
+            result = fn(*args)
+        guard.check()   # raises ExecutionError("gpu_access", "... cudaMalloc ...") if CUDA was used
+    """
+
+    def __init__(self, *, use_cupti: bool = True) -> None:
+        self.violation: str | None = None
+        self.cupti_active = False
+        self._use_cupti = use_cupti
+        self._patched: list[tuple[Any, Any]] = []
+        self._subscriber: int | None = None
+        self._cupti: Any = None
+        self._callback: Callable[..., None] | None = None
+        self._active = False
+
+    def __enter__(self) -> Self:
+        if self._active:
+            raise RuntimeError("GpuAccessGuard is not reentrant")
+        self._active = True
+        self.violation = None
+        self._patch_torch()
+        if self._use_cupti:
+            self._subscribe()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self._unsubscribe()
+        finally:
+            self._restore_torch()
+            self._active = False
+
+    def check(self) -> None:
+        """Raise ``ExecutionError("gpu_access", ...)`` when CUDA was used while the guard was active."""
+        if self.violation is not None:
+            raise ExecutionError("gpu_access", f"a cpu_only function used the GPU: {self.violation}")
+
+    def _record(self, what: str) -> None:
+        if self.violation is None:
+            self.violation = what
+
+    def _patch_torch(self) -> None:
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None) if torch is not None else None
+        original = getattr(cuda, "_lazy_init", None) if cuda is not None else None
+        if original is None:
+            return
+
+        def refuse_cuda_init() -> None:
+            self._record("CUDA initialisation (torch.cuda._lazy_init)")
+            raise ExecutionError("gpu_access", "a cpu_only function tried to initialise CUDA (torch.cuda._lazy_init)")
+
+        # Submodules such as torch.cuda.random bind _lazy_init by name at import time.
+        for name, module in list(sys.modules.items()):
+            if (name == "torch.cuda" or name.startswith("torch.cuda.")) and getattr(
+                module, "_lazy_init", None
+            ) is original:
+                self._patched.append((module, original))
+                setattr(module, "_lazy_init", refuse_cuda_init)  # noqa: B010
+
+    def _restore_torch(self) -> None:
+        while self._patched:
+            module, original = self._patched.pop()
+            setattr(module, "_lazy_init", original)  # noqa: B010
+
+    def _subscribe(self) -> None:
+        global _cupti_guard_active
+        with _guard_lock:
+            if _cupti_guard_active:
+                return  # CUPTI takes one subscriber per process; an outer guard already watches
+            try:
+                from cupti import cupti
+            except (ImportError, OSError, RuntimeError):
+                return  # the Python layer still guards torch
+
+            def on_api_call(userdata: Any, domain: Any, callback_id: Any, cbdata: Any) -> None:
+                try:
+                    if self.violation is not None:
+                        return
+                    if cbdata.callback_site != cupti.ApiCallbackSite.API_ENTER:
+                        return
+                    name = str(cbdata.function_name)
+                    if not is_harmless_cuda_call(name):
+                        self._record(f"CUDA API call {name}")
+                except Exception:
+                    pass
+
+            try:
+                subscriber = cupti.subscribe(on_api_call, None)
+            except cupti.cuptiError:
+                return  # e.g. a profiler already subscribed: the Python layer remains
+            try:
+                cupti.enable_domain(1, subscriber, cupti.CallbackDomain.DRIVER_API)
+                cupti.enable_domain(1, subscriber, cupti.CallbackDomain.RUNTIME_API)
+            except cupti.cuptiError:
+                cupti.unsubscribe(subscriber)
+                return
+            self._cupti = cupti
+            self._callback = on_api_call  # CUPTI holds a raw pointer; keep the function alive
+            self._subscriber = subscriber
+            self.cupti_active = True
+            _cupti_guard_active = True
+
+    def _unsubscribe(self) -> None:
+        global _cupti_guard_active
+        if self._subscriber is None:
+            return
+        with _guard_lock:
+            try:
+                self._cupti.unsubscribe(self._subscriber)
+            finally:
+                self._subscriber = None
+                self._callback = None
+                self.cupti_active = False
+                _cupti_guard_active = False
+
+
+def gpu_access_guard(*, use_cupti: bool = True) -> GpuAccessGuard:
+    """A new ``GpuAccessGuard``: ``with gpu_access_guard() as guard: ...; guard.check()``."""
+    return GpuAccessGuard(use_cupti=use_cupti)

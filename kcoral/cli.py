@@ -1,0 +1,206 @@
+"""The ``kcoral`` command: argument parsing, logging set-up and the environment, nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from kcoral import protocol
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69  # the service could not be reached
+EXIT_CONFIG = 78  # the broker cannot start with these settings
+
+DEFAULT_BROKER_URL = "tcp://127.0.0.1:5555"
+
+
+def configure_logging(level: str, as_json: bool) -> None:
+    """Key-value structlog events on stderr; called once, here."""
+    logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _gpu_list(text: str) -> tuple[int, ...]:
+    try:
+        gpus = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes indices like 0,1, not {text!r}") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"--gpus takes distinct indices >= 0, not {text!r}")
+    return gpus
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kcoral", description="KCoral: a GPU evaluation service.")
+    parser.add_argument("--log-level", default=os.environ.get("KCORAL_LOG_LEVEL", "info"))
+    parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    broker = sub.add_parser("broker", help="serve programs on this host's GPUs (or CPUs)")
+    broker.add_argument("--listen", default=DEFAULT_BROKER_URL)
+    broker.add_argument("--device", choices=("gpu", "cpu"), default=None)
+    broker.add_argument("--gpus", type=_gpu_list, default=None, help="GPU indices to serve, e.g. 0,1")
+    broker.add_argument("--fake-gpus", type=_non_negative, default=0, help="lease tokens on a CPU host")
+    broker.add_argument("--workers-per-gpu", type=_positive, default=1)
+    broker.add_argument("--workers", type=_positive, default=None, help="CPU workers when there are no GPUs")
+    broker.add_argument("--sandbox", choices=("bubblewrap", "none"), default=None)
+    broker.add_argument("--sandbox-readonly-path", action="append", type=Path, default=[])
+    broker.add_argument("--max-programs-per-worker", type=_non_negative, default=1, help="0: reuse workers")
+    broker.add_argument("--cache-dir", type=Path, default=None)
+    broker.add_argument("--cache-bytes", type=_size, default=1 << 30)
+    broker.add_argument("--cache-disk-bytes", type=_size, default=32 << 30)
+    broker.add_argument("--max-queued", type=_positive, default=1024)
+    broker.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
+    broker.add_argument("--max-response-bytes", type=_size, default=protocol.DEFAULT_MAX_RESPONSE_BYTES)
+    broker.add_argument("--memory-limit", type=_size, default=0, help="address space per worker (CPU hosts)")
+    broker.add_argument("--max-processes", type=_non_negative, default=0, help="processes per worker")
+    broker.add_argument("--max-file-bytes", type=_size, default=0, help="largest file a worker may write")
+    broker.add_argument("--max-open-files", type=_non_negative, default=0)
+    broker.add_argument("--run-dir", type=Path, default=None, help="sockets and workspaces (default: a temp dir)")
+    broker.add_argument("--upstream", default=None, help="a router's nodes endpoint to join")
+    broker.add_argument("--node-id", default=None)
+
+    status = sub.add_parser("status", help="show a broker's or router's capacity, queue, leases, workers")
+    status.add_argument("url", nargs="?", default=None)
+    status.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_json)
+    if args.command == "broker":
+        return _broker(args)
+    if args.command == "status":
+        return _status(args)
+    return EXIT_USAGE
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from kcoral.broker.broker import BrokerSettings, install_event_loop_policy, run_broker
+    from kcoral.broker.target import TargetError
+    from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
+
+    sandbox = args.sandbox
+    if sandbox is None:
+        try:
+            check_bwrap()
+            sandbox = "bubblewrap"
+        except SandboxUnavailable:
+            sandbox = "none"
+    limits = {
+        "address_space_bytes": args.memory_limit,
+        "processes": args.max_processes,
+        "file_size_bytes": args.max_file_bytes,
+        "open_files": args.max_open_files,
+    }
+    settings = BrokerSettings(
+        listen=args.listen,
+        device=args.device or "auto",
+        gpus=args.gpus,
+        fake_gpus=args.fake_gpus,
+        workers_per_gpu=args.workers_per_gpu,
+        workers=args.workers or max(1, min(4, (os.cpu_count() or 2))),
+        sandbox=sandbox,
+        sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
+        max_programs_per_worker=args.max_programs_per_worker,
+        cache_dir=args.cache_dir,
+        cache_bytes=args.cache_bytes,
+        cache_disk_bytes=args.cache_disk_bytes,
+        max_queued=args.max_queued,
+        max_request_bytes=args.max_request_bytes,
+        max_response_bytes=args.max_response_bytes,
+        run_dir=args.run_dir,
+        limits={k: v for k, v in limits.items() if v},
+    )
+    install_event_loop_policy()
+    log = structlog.get_logger("kcoral.cli")
+    try:
+        return asyncio.run(run_broker(settings))
+    except (TargetError, SandboxUnavailable) as exc:
+        log.error("broker_cannot_start", error=str(exc))
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kcoral import Client, KCoralError
+
+    url = args.url or os.environ.get("KCORAL_URL") or DEFAULT_BROKER_URL
+    try:
+        with Client(url, connect_timeout_seconds=5.0) as client:
+            health = client.health()
+    except KCoralError as exc:
+        print(f"kcoral status: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if args.json:
+        print(json.dumps(health, indent=2, default=str))
+        return EXIT_OK
+    load = health.get("load", {})
+    print(f"service   {url}  status={health.get('status')}  instance={health.get('instance_id')}")
+    print(
+        f"capacity  {load.get('request_capacity')} programs at once; "
+        f"{load.get('requests_in_progress')} running, {load.get('requests_waiting')} waiting"
+    )
+    print(f"gpus      {health.get('gpu_count')}  (fake: {health.get('fake_gpus', 0)})")
+    for gpu, lease in (health.get("leases") or {}).items():
+        print(f"  lease {gpu}: holder={lease.get('holder')} waiters={len(lease.get('waiters') or [])}")
+    workers = health.get("workers", {})
+    print(f"workers   {workers.get('slots')} slots, {workers.get('idle')} idle, {workers.get('busy')} busy")
+    for zygote in workers.get("zygotes", []):
+        print(f"  slot {zygote['slot']} gpu={zygote['gpu']} {zygote['state']} restarts={zygote['restarts']}")
+    cache = health.get("cache", {})
+    print(
+        f"cache     {cache.get('entries')} blobs, {cache.get('bytes')} bytes, hits={cache.get('hits')} misses={cache.get('misses')}"
+    )
+    for node in health.get("nodes", []) or []:
+        print(f"  node {node}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

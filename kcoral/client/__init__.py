@@ -1,0 +1,1 @@
+"""The client library: Program builder, Client and AsyncClient, results."""

@@ -1,0 +1,1 @@
+"""Command-line adapters for tools run remotely through KCoral."""

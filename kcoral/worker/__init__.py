@@ -1,0 +1,1 @@
+"""The worker side: zygote, program interpreter, sandbox, output capture."""

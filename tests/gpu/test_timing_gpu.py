@@ -1,0 +1,184 @@
+"""GPU tests of kcoral.builtins.benchmark and GpuAccessGuard (skipped without a CUDA GPU).
+
+Run on a GPU host: ``python3 -m pytest -q -m gpu tests/gpu/test_timing_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kcoral import builtins
+from kcoral.builtins import GpuAccessGuard, benchmark
+from kcoral.errors import ExecutionError
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+needs_cupti = pytest.mark.skipif(importlib.util.find_spec("cupti") is None, reason="needs cupti-python")
+
+ADD_ELEMENTS = 1 << 24  # 16M float32: 192 MiB moved per add, well past the L2
+
+
+@pytest.fixture(scope="module")
+def add_operands() -> Iterator[tuple[Any, Any, Any]]:
+    a = torch.randn(ADD_ELEMENTS, device="cuda")
+    b = torch.randn_like(a)
+    out = torch.empty_like(a)
+    yield a, b, out
+    del a, b, out
+    torch.cuda.empty_cache()
+
+
+def _add(a: Any, b: Any, out: Any) -> None:
+    torch.add(a, b, out=out)
+
+
+@needs_cupti
+def test_add_of_16m_floats_is_timed_by_cupti(add_operands: tuple[Any, Any, Any]) -> None:
+    result = benchmark(_add, *add_operands)
+    assert result["method"] == "cupti", result.get("cupti_error")
+    # 192 MiB at the H200's ~4.8 TB/s peak is ~42 us; ~33 us was seen (part of it hits the L2).
+    assert 0.010 < result["latency_ms_median"] < 0.5, result
+    assert result["latency_ms_min"] <= result["latency_ms_median"] <= result["latency_ms_max"]
+    assert result["activities_stable"] is True
+    assert result["activities_per_call"] == 1
+    assert result["flush_l2"] is True
+    assert result["warmup"] >= 1 and result["repeat"] >= 1
+    assert result["samples"] == result["repeat"]
+    assert isinstance(result["gpu"], str) and result["gpu"]
+    if result["sm_clock_mhz_after"] is not None:
+        assert result["sm_clock_mhz_after"] > 0
+        assert isinstance(result["throttle_reasons_after"], list)
+        assert isinstance(result["throttled"], bool)
+
+
+@needs_cupti
+def test_explicit_counts_override_the_budgets(add_operands: tuple[Any, Any, Any]) -> None:
+    result = benchmark(_add, *add_operands, {"warmup": 3, "repeat": 17, "flush_l2": False})
+    assert (result["warmup"], result["repeat"], result["samples"]) == (3, 17, 17)
+    assert result["flush_l2"] is False
+
+
+@needs_cupti
+def test_side_stream_work_is_counted() -> None:
+    size = 8192
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    product = torch.empty_like(x)
+    small = torch.zeros(1024, device="cuda")
+    side = torch.cuda.Stream()
+
+    def side_only() -> None:
+        with torch.cuda.stream(side):
+            torch.mm(x, y, out=product)
+
+    def main_and_side() -> None:
+        small.add_(1.0)  # short kernel on the current stream
+        with torch.cuda.stream(side):
+            torch.mm(x, y, out=product)  # long kernel on a stream the current one never waits for
+
+    alone = benchmark(side_only, config={"repeat": 20})
+    both = benchmark(main_and_side, config={"repeat": 20})
+    assert alone["method"] == both["method"] == "cupti"
+    assert alone["latency_ms_median"] > 0.3  # ~1.4 ms at ~780 TFLOP/s
+    assert both["latency_ms_median"] >= 0.9 * alone["latency_ms_median"], (alone, both)
+    assert both["activities_per_call"] == 2
+
+
+def test_cuda_event_method(add_operands: tuple[Any, Any, Any]) -> None:
+    result = benchmark(_add, *add_operands, config={"method": "cuda_event", "repeat": 50})
+    assert result["method"] == "cuda_event"
+    assert 0.010 < result["latency_ms_median"] < 0.5, result
+    assert result["activities_stable"] is True
+
+
+def test_falls_back_to_cuda_events_when_cupti_is_unavailable(
+    add_operands: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse() -> Any:
+        raise builtins.CuptiUnavailable("cupti-python is not importable: simulated")
+
+    monkeypatch.setattr(builtins._CuptiTracer, "get", staticmethod(refuse))
+    result = benchmark(_add, *add_operands, config={"repeat": 20})
+    assert result["method"] == "cuda_event"
+    assert "simulated" in result["cupti_error"]
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(_add, *add_operands, config={"repeat": 20, "method": "cupti"})
+    assert caught.value.kind == "unavailable"
+
+
+@needs_cupti
+@pytest.mark.parametrize("work", [lambda: None, lambda: torch.ones(8).sum()], ids=["nothing", "cpu_tensor"])
+def test_call_without_gpu_work_is_unavailable(work: Any) -> None:
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(work, config={"repeat": 5})
+    assert caught.value.kind == "unavailable"
+    assert "no GPU work" in caught.value.message
+
+
+@needs_cupti
+def test_calls_that_launch_different_work_are_unstable() -> None:
+    data = torch.zeros(1 << 20, device="cuda")
+    turn = itertools.count()
+
+    def alternating() -> None:
+        data.add_(1.0)
+        if next(turn) % 2:
+            data.mul_(0.5)
+
+    result = benchmark(alternating, config={"repeat": 20, "warmup": 2})
+    assert result["method"] == "cupti"
+    assert result["activities_stable"] is False
+
+
+def test_guard_catches_a_cuda_tensor_in_a_fresh_process() -> None:
+    script = textwrap.dedent(
+        """
+        import torch
+        from kcoral.builtins import GpuAccessGuard
+        from kcoral.errors import ExecutionError
+        with GpuAccessGuard() as guard:
+            try:
+                torch.zeros(1, device="cuda")
+                print("NO ERROR")
+            except ExecutionError as exc:
+                print("KIND", exc.kind)
+        print("VIOLATION", guard.violation)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "KIND gpu_access" in done.stdout, done.stdout
+    assert "VIOLATION None" not in done.stdout
+
+
+@needs_cupti
+def test_guard_records_cuda_use_after_cuda_was_initialised() -> None:
+    torch.zeros(1, device="cuda")  # CUDA initialised: torch's Python hook no longer runs
+    torch.cuda.synchronize()
+    with GpuAccessGuard() as guard:
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+    assert guard.violation is not None
+    assert guard.violation.startswith("CUDA API call")
+    with pytest.raises(ExecutionError) as caught:
+        guard.check()
+    assert caught.value.kind == "gpu_access"
+
+
+@needs_cupti
+def test_guard_allows_a_device_count_query() -> None:
+    with GpuAccessGuard() as guard:
+        assert torch.cuda.device_count() >= 1
+    assert guard.violation is None, guard.violation

