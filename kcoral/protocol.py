@@ -189,7 +189,8 @@ def tensor_nbytes(dtype: str, shape: Sequence[int]) -> int:
 
 
 def check_digest(digest: object) -> str:
-    if not isinstance(digest, str) or not DIGEST_PATTERN.match(digest):
+    # fullmatch: with match, "$" also accepts a trailing newline.
+    if not isinstance(digest, str) or not DIGEST_PATTERN.fullmatch(digest):
         raise WireError(f"bad blob digest {digest!r}: expected 64 lowercase hex characters (sha256)")
     return digest
 
@@ -245,21 +246,25 @@ def _ext_hook(code: int, data: bytes) -> object:
         if code == EXT_TUPLE:
             return tuple(unpack(data))
         if code == EXT_BYTES:
-            index = _unpack_plain(data)
-            if not isinstance(index, int) or index < 0:
-                raise WireError("bytes frame index must be an integer >= 0")
-            return BytesFrame(index)
+            return BytesFrame(_frame_index(_unpack_plain(data)))
         if code == EXT_FILE:
             name, frame, mode = _unpack_plain(data)
-            return FileSpec(str(name), int(frame), int(mode))
+            return FileSpec(str(name), _frame_index(frame), int(mode))
         if code == EXT_FOLDER:
             files = _unpack_plain(data)
-            return FolderSpec(tuple((str(p), int(f), int(m)) for p, f, m in files))
+            return FolderSpec(tuple((str(p), _frame_index(f), int(m)) for p, f, m in files))
     except WireError:
         raise
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise WireError(f"bad extension value (type {code}): {exc}") from exc
     raise WireError(f"unknown msgpack extension type {code}")
+
+
+def _frame_index(value: object) -> int:
+    # A negative index would silently pick a frame from the end of the message.
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WireError(f"frame index must be an integer >= 0, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -306,7 +311,7 @@ def unpack_map(data: bytes | memoryview) -> dict[str, Any]:
 
 
 def check_id(value: object, what: str = "id") -> str:
-    if not isinstance(value, str) or not ID_PATTERN.match(value):
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
         raise WireError(f"bad {what} {value!r}: 1 to {MAX_ID_LENGTH} characters of letters, digits, '_.:-'")
     return value
 
@@ -339,7 +344,11 @@ def numpy_dtype(dtype: str) -> np.dtype[Any] | None:
 def tensor_to_wire(value: Any) -> tuple[str, str, tuple[int, ...], memoryview]:
     """(framework, dtype name, shape, raw bytes) of a numpy array or torch tensor, C order."""
     if isinstance(value, np.ndarray):
-        array = np.ascontiguousarray(value)
+        # np.ascontiguousarray would turn a 0-d array into a 1-d one.
+        array = value if value.flags.c_contiguous else value.copy(order="C")
+        if array.dtype.byteorder == ">":
+            # The wire is little endian, and a big-endian '>f4' is still named float32.
+            array = array.astype(array.dtype.newbyteorder("<"))
         dtype = array.dtype.name
         if dtype not in DTYPES or DTYPES[dtype][1] is None:
             raise WireError(f"numpy dtype {array.dtype} is not supported on the wire")
@@ -413,14 +422,22 @@ def encode_value(value: Any, sink: WireSink, *, bytes_to_frames: bool = False, d
     """
     if depth > MAX_NESTING:
         raise WireError(f"value nested deeper than {MAX_NESTING} levels")
-    if value is None or isinstance(value, (bool, str, float, RefValue)):
+    # pack() uses strict_types, so subclasses (np.float64 is a float, IntEnum an int, StrEnum a str)
+    # must become the exact builtin type here or packing the body fails.
+    if value is None or isinstance(value, RefValue):
         return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, float):
+        return float(value)
     if isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 64):
             raise WireError(f"integer {value} does not fit in 64 bits")
-        return value
+        return int(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        data = bytes(value) if not isinstance(value, bytes) else value
+        data = value if type(value) is bytes else bytes(value)
         if bytes_to_frames and len(data) > INLINE_BYTES_LIMIT:
             index = sink(data)
             assert isinstance(index, int)

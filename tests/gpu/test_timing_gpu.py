@@ -93,7 +93,8 @@ def test_side_stream_work_is_counted() -> None:
     assert alone["method"] == both["method"] == "cupti"
     assert alone["latency_ms_median"] > 0.3  # ~1.4 ms at ~780 TFLOP/s
     assert both["latency_ms_median"] >= 0.9 * alone["latency_ms_median"], (alone, both)
-    assert both["activities_per_call"] == 2
+    # The current-stream add and the side-stream matmul at least (cuBLAS may add a workspace memset).
+    assert both["activities_per_call"] >= 2
 
 
 def test_cuda_event_method(add_operands: tuple[Any, Any, Any]) -> None:
@@ -168,13 +169,21 @@ def test_guard_records_cuda_use_after_cuda_was_initialised() -> None:
     torch.zeros(1, device="cuda")  # CUDA initialised: torch's Python hook no longer runs
     torch.cuda.synchronize()
     with GpuAccessGuard() as guard:
-        torch.zeros(1, device="cuda")
-        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda")  # torch's C++ path skips _lazy_init once CUDA is initialised
+    torch.cuda.synchronize()
     assert guard.violation is not None
     assert guard.violation.startswith("CUDA API call")
     with pytest.raises(ExecutionError) as caught:
         guard.check()
     assert caught.value.kind == "gpu_access"
+
+
+def test_guard_refuses_torch_cuda_calls_after_cuda_was_initialised() -> None:
+    torch.zeros(1, device="cuda")
+    with GpuAccessGuard(use_cupti=False) as guard, pytest.raises(ExecutionError) as caught:
+        torch.cuda.synchronize()  # torch.cuda's Python functions still pass through _lazy_init
+    assert caught.value.kind == "gpu_access"
+    assert guard.violation is not None
 
 
 @needs_cupti
