@@ -1,16 +1,24 @@
-"""Compare kcoral.builtins.benchmark with CUDA events and Nsight Compute, and check its repeatability.
+"""Compare kcoral.builtins.benchmark with Nsight Compute and CUDA events, and check its repeatability.
 
-For each workload (a 16M-float add, a 4096^3 bf16 matmul, a ~5 us small add) it prints:
-- the median of ``benchmark()`` in this process, and the method it used;
-- the median of a plain ``torch.cuda.Event`` loop (L2 flushed between calls the same way);
-- the median per-call ``gpu__time_duration.sum`` of Nsight Compute, when ``ncu`` is on PATH
-  (the workload runs in a subprocess under ``ncu --clock-control none``);
-- repeatability: the ``benchmark()`` median from N fresh subprocesses, spread = max/min - 1.
+Workloads: a 16M-float add, a 4096^3 bf16 matmul, a ~5 us add of 1M floats, and the same matmul
+launched on a side stream (what CUDA events cannot see). Modes:
+
+- in-process (default): for each workload, the median of ``benchmark()``, of a plain CUDA-event loop
+  (L2 flushed the same way, launches queued back to back), and of Nsight Compute's per-call
+  ``gpu__time_duration.sum`` (the workload runs in a subprocess under ``ncu --clock-control none``,
+  when ``ncu`` is on PATH), with the SM clock ncu saw; optionally ``--runs N`` fresh subprocesses
+  for repeatability.
+- ``--via-service URL``: each workload submitted as ``--runs`` separate programs to a running
+  KCoral service (interleaved: w1 w2 w3 w1 ...); prints each median and the spread
+  (max/min - 1). With ``--churn``, a background client keeps submitting programs whose module
+  creates a CUDA context on the same GPU without a lease (what a spare worker warming its context
+  does), to see whether that moves a running measurement.
 
 Usage (on a GPU host, from the repository root)::
 
-    python3 benchmarks/timing.py                     # everything, 10 fresh runs
-    python3 benchmarks/timing.py --runs 3 --no-ncu --json timing.json
+    python3 benchmarks/timing.py --json timing.json
+    python3 benchmarks/timing.py --via-service tcp://127.0.0.1:5555 --runs 10
+    python3 benchmarks/timing.py --via-service tcp://127.0.0.1:5556 --runs 5 --churn
 
 Progress goes to stderr, the table to stdout.
 """
@@ -25,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,50 +43,97 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-WORKLOADS = ("add_16m_f32", "matmul_4096_bf16", "small_add")
+WORKLOADS = ("add_16m_f32", "matmul_4096_bf16", "small_add", "matmul_side_stream")
+DEFAULT_WORKLOADS = WORKLOADS
 NVTX_RANGE = "kcoral_call"
 EVENT_CALLS = 200
 CHILD_TIMEOUT_S = 600
-# ncu reports durations in these units (with --print-units base it is ns); factors to milliseconds.
+PROGRAM_TIMEOUT_S = 120
+NCU_TIME_METRIC = "gpu__time_duration.sum"
+NCU_CLOCK_METRIC = "sm__cycles_elapsed.avg.per_second"
+# ncu reports values in these units (with --print-units base: ns and cycle/second).
 NCU_UNIT_TO_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3}
+NCU_UNIT_TO_MHZ = {"cycle/second": 1e-6, "cycle/nsecond": 1e3, "cycle/usecond": 1.0, "hz": 1e-6, "mhz": 1.0}
+
+# The workloads, as source: the same text runs in this process, under ncu, and as an uploaded module.
+WORKLOAD_SOURCE = '''
+import torch
+from kcoral.builtins import benchmark
+
+
+def make_workload(name):
+    """Allocate the workload's tensors and return a call that launches its GPU work."""
+    if name in ("add_16m_f32", "small_add"):
+        a = torch.randn(1 << 24 if name == "add_16m_f32" else 1 << 20, device="cuda")
+        b = torch.randn_like(a)
+        out = torch.empty_like(a)
+
+        def add():
+            torch.add(a, b, out=out)
+
+        return add
+    if name in ("matmul_4096_bf16", "matmul_side_stream"):
+        x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn_like(x)
+        product = torch.empty_like(x)
+        side = torch.cuda.Stream()
+
+        def matmul():
+            torch.mm(x, y, out=product)
+
+        def matmul_on_side_stream():
+            with torch.cuda.stream(side):
+                torch.mm(x, y, out=product)
+
+        return matmul if name == "matmul_4096_bf16" else matmul_on_side_stream
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def evaluate(name, config=None):
+    """One program's measurement: the benchmark() report, trimmed to what the table needs."""
+    report = benchmark(make_workload(name), config=config or {})
+    keep = ("latency_ms_median", "latency_ms_min", "latency_ms_max", "latency_ms_std", "method", "repeat",
+            "activities_stable", "activities_per_call", "latency_ms_median_by", "launch_hold_us",
+            "launch_late_calls", "sm_clock_mhz_before", "sm_clock_mhz_after", "throttle_reasons_after",
+            "throttled", "clock_steady")
+    return {key: report.get(key) for key in keep}
+'''
+
+# A program for --churn: its module creates a CUDA context (and a small allocation) at import, with
+# no lease, as a spare worker that warms its context would; its cpu_only function then returns.
+CHURN_SOURCE = '''
+import torch
+
+torch.cuda.init()
+_warm = torch.empty(1, device="cuda")
+
+
+def ping():
+    return 1
+'''
 
 
 def log(message: str) -> None:
     print(f"[timing] {message}", file=sys.stderr, flush=True)
 
 
+def workload_namespace() -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": "kcoral_timing_workloads"}
+    exec(compile(WORKLOAD_SOURCE, "<kcoral timing workloads>", "exec"), namespace)
+    return namespace
+
+
 def make_workload(name: str) -> Callable[[], None]:
-    """Allocate the workload's tensors and return a call that launches its GPU work."""
-    import torch
-
-    if name == "add_16m_f32":
-        a = torch.randn(1 << 24, device="cuda")
-        b = torch.randn_like(a)
-        out = torch.empty_like(a)
-    elif name == "small_add":
-        a = torch.randn(1 << 20, device="cuda")  # 12 MiB moved: a few microseconds
-        b = torch.randn_like(a)
-        out = torch.empty_like(a)
-    elif name == "matmul_4096_bf16":
-        x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn_like(x)
-        product = torch.empty_like(x)
-
-        def matmul() -> None:
-            torch.mm(x, y, out=product)
-
-        return matmul
-    else:
-        raise ValueError(f"unknown workload {name!r}")
-
-    def add() -> None:
-        torch.add(a, b, out=out)
-
-    return add
+    maker: Callable[[str], Callable[[], None]] = workload_namespace()["make_workload"]
+    return maker(name)
 
 
 def cuda_event_median(call: Callable[[], None], calls: int = EVENT_CALLS) -> float:
-    """Median of CUDA-event intervals around each call, flushing the L2 by a read in between."""
+    """Median of CUDA-event intervals around each call, flushing the L2 by a read in between.
+
+    No host synchronisation inside the loop: the GPU runs flush, event, call, event back to back
+    while the host queues ahead, the way events are usually used (and why they miss side streams).
+    """
     import torch
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -97,18 +153,9 @@ def cuda_event_median(call: Callable[[], None], calls: int = EVENT_CALLS) -> flo
     return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)))
 
 
-def benchmark_median(name: str) -> dict[str, Any]:
-    from kcoral.builtins import benchmark
-
-    result = benchmark(make_workload(name))
-    return {
-        "median_ms": result["latency_ms_median"],
-        "method": result["method"],
-        "repeat": result["repeat"],
-        "stable": result["activities_stable"],
-        "sm_clock_mhz": result["sm_clock_mhz_after"],
-        "throttled": result["throttled"],
-    }
+def benchmark_report(name: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    evaluate: Callable[..., dict[str, Any]] = workload_namespace()["evaluate"]
+    return evaluate(name, config)
 
 
 # ----------------------------------------------------------------------------- child modes
@@ -116,7 +163,7 @@ def benchmark_median(name: str) -> dict[str, Any]:
 
 def child_repeat(workloads: list[str]) -> None:
     """One fresh process: benchmark() each workload once, print one JSON line."""
-    out = {name: benchmark_median(name) for name in workloads}
+    out = {name: benchmark_report(name) for name in workloads}
     print("KCORAL_JSON " + json.dumps(out), flush=True)
 
 
@@ -135,7 +182,7 @@ def child_ncu(name: str, iters: int) -> None:
     torch.cuda.synchronize()
 
 
-# ----------------------------------------------------------------------------- parent
+# ----------------------------------------------------------------------------- Nsight Compute
 
 
 def child_env() -> dict[str, str]:
@@ -145,23 +192,25 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def parse_ncu_csv(text: str, iters: int) -> float | None:
-    """Median per-call gpu__time_duration.sum (ms) from ncu's CSV; kernels are summed per call."""
+def parse_ncu_csv(text: str, iters: int) -> dict[str, Any] | None:
+    """Median per-call gpu__time_duration.sum (ms, kernels summed per call) and the median SM clock."""
     lines = [line for line in text.splitlines() if line.startswith('"')]
     if not lines:
         return None
     durations: list[float] = []
+    clocks: list[float] = []
     for row in csv.DictReader(lines):
-        if row.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        factor = NCU_UNIT_TO_MS.get((row.get("Metric Unit") or "").strip())
+        metric = row.get("Metric Name")
+        unit = (row.get("Metric Unit") or "").strip()
         raw = (row.get("Metric Value") or "").replace(",", "").strip()
-        if factor is None or not raw:
-            continue
         try:
-            durations.append(float(raw) * factor)
+            value = float(raw)
         except ValueError:
             continue
+        if metric == NCU_TIME_METRIC and unit in NCU_UNIT_TO_MS:
+            durations.append(value * NCU_UNIT_TO_MS[unit])
+        elif metric == NCU_CLOCK_METRIC and unit.lower() in NCU_UNIT_TO_MHZ:
+            clocks.append(value * NCU_UNIT_TO_MHZ[unit.lower()])
     if not durations:
         return None
     # Every call launches the same kernels in order, so rows group into `iters` equal runs.
@@ -170,18 +219,23 @@ def parse_ncu_csv(text: str, iters: int) -> float | None:
         calls = [sum(durations[i : i + per_call]) for i in range(0, len(durations), per_call)]
     else:
         log(f"ncu: {len(durations)} kernel rows do not split into {iters} calls; using per-kernel median")
+        per_call = 0
         calls = durations
-    return float(statistics.median(calls))
+    return {
+        "median_ms": float(statistics.median(calls)),
+        "kernels_per_call": per_call,
+        "sm_clock_mhz": float(statistics.median(clocks)) if clocks else None,
+    }
 
 
-def ncu_median(name: str, iters: int, ncu: str, workdir: Path) -> float | None:
+def ncu_median(name: str, iters: int, ncu: str, workdir: Path) -> dict[str, Any] | None:
     log_path = workdir / f"ncu_{name}.log"
     command = [
         ncu,
         "--clock-control",
         "none",
         "--metrics",
-        "gpu__time_duration.sum",
+        f"{NCU_TIME_METRIC},{NCU_CLOCK_METRIC}",
         "--csv",
         "--print-units",
         "base",
@@ -209,8 +263,11 @@ def ncu_median(name: str, iters: int, ncu: str, workdir: Path) -> float | None:
         log(f"ncu exited {done.returncode} for {name}: {(done.stderr or text)[-500:]}")
     value = parse_ncu_csv(text or done.stdout, iters)
     if value is None:
-        log(f"ncu produced no gpu__time_duration.sum rows for {name}: {text[-500:]}")
+        log(f"ncu produced no {NCU_TIME_METRIC} rows for {name}: {text[-500:]}")
     return value
+
+
+# ----------------------------------------------------------------------------- repeatability
 
 
 def repeat_runs(workloads: list[str], runs: int) -> dict[str, list[float]]:
@@ -233,7 +290,7 @@ def repeat_runs(workloads: list[str], runs: int) -> dict[str, list[float]]:
             log(f"fresh process failed ({done.returncode}): {done.stderr[-800:]}")
             continue
         for name, entry in json.loads(lines[-1][len("KCORAL_JSON ") :]).items():
-            medians[name].append(float(entry["median_ms"]))
+            medians[name].append(float(entry["latency_ms_median"]))
     return medians
 
 
@@ -249,24 +306,120 @@ def fmt(value: float | None, unit_us: bool = True) -> str:
     return f"{value * 1e3:.2f}" if unit_us else f"{value * 100:.1f}%"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--runs", type=int, default=10, help="fresh subprocesses for repeatability (0 skips)")
-    parser.add_argument("--ncu-iters", type=int, default=20, help="calls profiled by ncu per workload")
-    parser.add_argument("--no-ncu", action="store_true", help="skip Nsight Compute even if ncu is on PATH")
-    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
-    parser.add_argument("--child-repeat", nargs="+", choices=WORKLOADS, help=argparse.SUPPRESS)
-    parser.add_argument("--child-ncu", choices=WORKLOADS, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+# ----------------------------------------------------------------------------- via the service
 
-    if args.child_repeat:
-        child_repeat(args.child_repeat)
-        return 0
-    if args.child_ncu:
-        child_ncu(args.child_ncu, args.ncu_iters)
-        return 0
 
+class Churn:
+    """Keeps submitting context-creating programs from a background thread until stopped."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.completed = 0
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kcoral-churn", daemon=True)
+
+    def __enter__(self) -> Churn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(PROGRAM_TIMEOUT_S)
+
+    def _loop(self) -> None:
+        from kcoral import Client, KCoralError, Program
+
+        program = Program()
+        module = program.upload(kind="module", source=CHURN_SOURCE)
+        ping = program.get_function(module=module, name="ping", cpu_only=True)
+        program.return_(key="pong", value=program.run(fn=ping))
+        with Client(self.url) as client:
+            while not self._stop.is_set():
+                try:
+                    result = client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S)
+                except KCoralError as exc:
+                    log(f"churn program refused: {exc}")
+                    self.failed += 1
+                    time.sleep(0.5)
+                    continue
+                if result.completed:
+                    self.completed += 1
+                else:
+                    self.failed += 1
+                    log(f"churn program failed: {result.error}")
+
+
+def via_service(url: str, workloads: list[str], runs: int, churn: bool) -> dict[str, Any]:
+    """Submit each workload as ``runs`` separate programs; return the reports and the spread."""
+    from kcoral import Client, Program
+
+    reports: dict[str, list[dict[str, Any]]] = {name: [] for name in workloads}
+    failures: list[str] = []
+    spare_programs = 0
+    started = time.perf_counter()
+    with Client(url) as client, Churn(url) if churn else _NullContext() as churner:
+        for run in range(runs):
+            for name in workloads:
+                program = Program()
+                module = program.upload(kind="module", source=WORKLOAD_SOURCE)
+                evaluate = program.get_function(module=module, name="evaluate")
+                program.return_(key="report", value=program.run(fn=evaluate, args=[name]))
+                result = client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S)
+                if not result.completed:
+                    failures.append(f"{name} run {run}: {result.error}")
+                    log(f"{name} run {run + 1} failed: {result.error}")
+                    continue
+                report = dict(result.results["report"])
+                report["lease_wait_ms"] = result.lease_wait_ms
+                reports[name].append(report)
+                log(f"{name} run {run + 1}/{runs}: {fmt(report['latency_ms_median'])} us")
+        if isinstance(churner, Churn):
+            spare_programs = churner.completed
+    summary: dict[str, Any] = {"url": url, "runs": runs, "churn": churn, "wall_s": time.perf_counter() - started}
+    summary["churn_programs_completed"] = spare_programs
+    summary["failures"] = failures
+    summary["workloads"] = {}
+    for name, entries in reports.items():
+        medians = [float(entry["latency_ms_median"]) for entry in entries]
+        summary["workloads"][name] = {
+            "medians_ms": medians,
+            "median_of_medians_ms": float(statistics.median(medians)) if medians else None,
+            "spread": spread(medians),
+            "max_of_max_ms": max((float(entry["latency_ms_max"]) for entry in entries), default=None),
+            "reports": entries,
+        }
+    return summary
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def print_service_table(summary: dict[str, Any]) -> None:
+    print(f"service {summary['url']}  runs={summary['runs']}  churn={summary['churn']}", end="")
+    print(f"  churn programs completed={summary['churn_programs_completed']}")
+    header = f"{'workload':<20} {'median us':>10} {'min us':>9} {'max us':>9} {'spread':>8} {'max-of-max us':>14}"
+    print(header)
+    print("-" * len(header))
+    for name, row in summary["workloads"].items():
+        medians = row["medians_ms"]
+        print(
+            f"{name:<20} {fmt(row['median_of_medians_ms']):>10} {fmt(min(medians) if medians else None):>9} "
+            f"{fmt(max(medians) if medians else None):>9} {fmt(row['spread'], unit_us=False):>8} "
+            f"{fmt(row['max_of_max_ms']):>14}"
+        )
+        print("    medians us: " + " ".join(fmt(value) for value in medians))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def in_process(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
@@ -282,15 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads:
         log(f"{name}: benchmark() and CUDA events in this process")
         started = time.perf_counter()
-        row: dict[str, Any] = {"benchmark": benchmark_median(name)}
+        row: dict[str, Any] = {"benchmark": benchmark_report(name)}
         row["benchmark_wall_s"] = round(time.perf_counter() - started, 3)
+        if args.variants:
+            row["benchmark_no_hold"] = benchmark_report(name, {"launch_hold": False})
+            row["benchmark_no_flush"] = benchmark_report(name, {"flush_l2": False})
         row["cuda_event_median_ms"] = cuda_event_median(make_workload(name))
         torch.cuda.empty_cache()
-        if ncu is not None:
-            log(f"{name}: Nsight Compute ({args.ncu_iters} calls)")
-            row["ncu_median_ms"] = ncu_median(name, args.ncu_iters, ncu, workdir)
-        else:
-            row["ncu_median_ms"] = None
+        row["ncu"] = ncu_median(name, args.ncu_iters, ncu, workdir) if ncu is not None else None
+        log(f"{name}: {json.dumps(row, default=str)}")
         rows[name] = row
 
     if args.runs > 0:
@@ -298,23 +451,70 @@ def main(argv: list[str] | None = None) -> int:
             rows[name]["fresh_medians_ms"] = values
             rows[name]["spread"] = spread(values)
 
-    columns = (("workload", "<18"), ("benchmark us", ">13"), ("method", ">10"), ("events us", ">10"))
-    columns += (("ncu us", ">9"), ("runs", ">5"), ("spread", ">8"))
+    columns: list[tuple[str, str]] = [("workload", "<20"), ("benchmark us", ">13"), ("method", ">10")]
+    columns += [("events us", ">10"), ("ncu us", ">9"), ("bench/ncu", ">10"), ("ncu MHz", ">8")]
+    columns += [("bench MHz", ">10"), ("runs", ">5"), ("spread", ">8")]
     header = " ".join(f"{title:{align}}" for title, align in columns)
     print(header)
     print("-" * len(header))
     for name, row in rows.items():
         bench = row["benchmark"]
+        ncu_row = row["ncu"] or {}
+        ncu_ms = ncu_row.get("median_ms")
+        ratio = f"{bench['latency_ms_median'] / ncu_ms - 1:+.1%}" if ncu_ms else "-"
+        ncu_mhz = ncu_row.get("sm_clock_mhz")
         print(
-            f"{name:<18} {fmt(bench['median_ms']):>13} {bench['method']:>10} {fmt(row['cuda_event_median_ms']):>10} "
-            f"{fmt(row['ncu_median_ms']):>9} {len(row.get('fresh_medians_ms', [])):>5} "
-            f"{fmt(row.get('spread'), unit_us=False):>8}"
+            f"{name:<20} {fmt(bench['latency_ms_median']):>13} {bench['method']:>10} "
+            f"{fmt(row['cuda_event_median_ms']):>10} {fmt(ncu_ms):>9} {ratio:>10} "
+            f"{(f'{ncu_mhz:.0f}' if ncu_mhz else '-'):>8} {bench['sm_clock_mhz_after'] or '-':>10} "
+            f"{len(row.get('fresh_medians_ms', [])):>5} {fmt(row.get('spread'), unit_us=False):>8}"
         )
+    print()
+    print("benchmark() medians by way of measuring (us):")
+    for name, row in rows.items():
+        for label in ("benchmark", "benchmark_no_hold", "benchmark_no_flush"):
+            if label in row:
+                by = row[label]["latency_ms_median_by"] or {}
+                parts = " ".join(f"{key}={fmt(value)}" for key, value in by.items())
+                print(
+                    f"  {name:<20} {label:<19} {parts}  hold={row[label]['launch_hold_us']}us "
+                    f"late={row[label]['launch_late_calls']} per_call={row[label]['activities_per_call']}"
+                )
     if args.json:
         payload = {"gpu": torch.cuda.get_device_name(), "ncu": ncu, "workloads": rows}
-        args.json.write_text(json.dumps(payload, indent=2))
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
         log(f"wrote {args.json}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(DEFAULT_WORKLOADS))
+    parser.add_argument("--runs", type=int, default=0, help="fresh processes (or programs) for repeatability")
+    parser.add_argument("--ncu-iters", type=int, default=20, help="calls profiled by ncu per workload")
+    parser.add_argument("--no-ncu", action="store_true", help="skip Nsight Compute even if ncu is on PATH")
+    parser.add_argument("--variants", action="store_true", help="also benchmark() without hold and without flush")
+    parser.add_argument("--via-service", metavar="URL", help="submit the workloads as programs to this service")
+    parser.add_argument("--churn", action="store_true", help="with --via-service: keep spare contexts starting")
+    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument("--child-repeat", nargs="+", choices=WORKLOADS, help=argparse.SUPPRESS)
+    parser.add_argument("--child-ncu", choices=WORKLOADS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child_repeat:
+        child_repeat(args.child_repeat)
+        return 0
+    if args.child_ncu:
+        child_ncu(args.child_ncu, args.ncu_iters)
+        return 0
+    if args.via_service:
+        summary = via_service(args.via_service, args.workloads, max(1, args.runs), args.churn)
+        print_service_table(summary)
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=2, default=str))
+            log(f"wrote {args.json}")
+        return 0 if not summary["failures"] else 1
+    return in_process(args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ correlation_id`` before the call, ``activity_pop_external_correlation_id`` after
 writes, for every CUDA runtime and driver API call made on this thread inside the bracket, an
 ``EXTERNAL_CORRELATION`` record that maps the API call's correlation id to our id; every kernel,
 memcpy and memset record carries the correlation id of the API call that launched it, on whatever
-stream. A call's latency is the span from its first activity start to its last activity end.
+stream.
 
 Why external correlation rather than a callback subscription: a subscription runs a Python
 function on *every* CUDA API call (torch makes several per op), which perturbs the host side of the
@@ -20,19 +20,32 @@ also want. External correlation costs two C calls per timed call. CUPTI only wri
 correlation records while API activity (``RUNTIME``/``DRIVER``) is enabled, so those kinds are
 enabled around the probe and the counted calls only, not during warm-up.
 
-Between calls the L2 cache is flushed by *reading* a buffer twice the L2 size (a read leaves clean
-lines, so the next call pays no write-back for the flush), then the device is synchronised, all
-outside the bracket. Before counting, the call runs until NVML reports a steady SM clock (bounded),
-then for the warm-up budget.
+Before each counted call the L2 cache is flushed by *reading* a buffer twice the L2 size (a read
+leaves clean lines, so the next call pays no write-back for the flush) and the device is
+synchronised, so nothing of the call overlaps the flush. Then a one-thread spin kernel *holds* the
+current stream for a few tens of microseconds while the host launches the call behind it. Without
+the hold, a call that launches several pieces of work (cuBLAS, a sequence of torch ops) is timed
+with the host's launch gaps between them, since the GPU waits for each launch; Nsight Compute and
+CUDA events in a busy stream do not see those gaps. The hold is sized from the call's host launch
+time and lengthened while CUPTI's API records show launches still running when it ended.
+
+A call's latency is measured from the moment its stream was released (the end of the hold, or
+the first activity's start when work on another stream started earlier) to the end of its last
+activity. Like Nsight Compute's ``gpu__time_duration``, this includes the GPU's own time to take
+up the first launch (about a microsecond, a fifth of a 5 us kernel), which a kernel's CUPTI start
+timestamp leaves out. Before counting, the call runs until NVML reports a steady SM clock
+(bounded), then for the warm-up budget.
 
 Without cupti-python (or when it fails to initialise) the fallback is a pair of CUDA events around
-each call on the current stream; ``method`` in the result says which was used. Events see only
-work ordered on the current stream, and cannot tell a call that launched nothing.
+each call on the current stream, with the same flush and hold; ``method`` in the result says which
+was used. Events see only work ordered on the current stream, and cannot tell a call that launched
+nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import statistics
@@ -40,7 +53,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, NamedTuple, Self
 
@@ -70,9 +83,22 @@ L2_FLUSH_FACTOR: Final = 2
 FALLBACK_L2_BYTES: Final = 64 * 1024 * 1024
 # CUPTI activity buffer handed out per request (records are small; 8 MiB holds ~100k).
 CUPTI_BUFFER_BYTES: Final = 8 * 1024 * 1024
+# The launch hold: a one-thread GPU spin before each counted call, long enough for the host to
+# launch the whole call behind it. First guess: this multiple of the untraced launch time plus the
+# margin (tracing slows launches down), then doubled while traced calls still launch late.
+HOLD_LAUNCH_FACTOR: Final = 3.0
+HOLD_MARGIN_US: Final = 30.0
+MIN_HOLD_US: Final = 30.0
+MAX_HOLD_US: Final = 5_000.0
+HOLD_FIT_ROUNDS: Final = 4
+HOLD_FIT_CALLS: Final = 3
+# Spin length used to measure how many SM cycles the spin counts per microsecond (~50 us at 2 GHz).
+HOLD_CALIBRATION_CYCLES: Final = 100_000
 
 METHODS: Final = frozenset({"auto", "cupti", "cuda_event"})
-CONFIG_KEYS: Final = frozenset({"warmup_ms", "repeat_ms", "warmup", "repeat", "flush_l2", "clock_warmup_ms", "method"})
+CONFIG_KEYS: Final = frozenset(
+    {"warmup_ms", "repeat_ms", "warmup", "repeat", "flush_l2", "launch_hold", "clock_warmup_ms", "method"}
+)
 
 # NVML clock event ("throttle") reason bits, named as nvidia-smi names them. Kept here rather than
 # read from pynvml because the constant names moved between nvidia-ml-py releases.
@@ -101,6 +127,7 @@ class BenchmarkConfig:
     warmup: int | None = None
     repeat: int | None = None
     flush_l2: bool = True
+    launch_hold: bool = True
     clock_warmup_ms: float = DEFAULT_CLOCK_WARMUP_MS
     method: str = "auto"
 
@@ -118,15 +145,17 @@ class BenchmarkConfig:
         method = values.get("method", "auto")
         if method not in METHODS:
             raise ExecutionError("parse", f"benchmark method must be one of {sorted(METHODS)}, not {method!r}")
-        flush_l2 = values.get("flush_l2", True)
-        if not isinstance(flush_l2, bool):
-            raise ExecutionError("parse", f"flush_l2 must be true or false, not {flush_l2!r}")
+        flags = {key: values.get(key, True) for key in ("flush_l2", "launch_hold")}
+        for key, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise ExecutionError("parse", f"{key} must be true or false, not {flag!r}")
         return cls(
             warmup_ms=_budget(values, "warmup_ms", DEFAULT_WARMUP_MS, MAX_BUDGET_MS),
             repeat_ms=_budget(values, "repeat_ms", DEFAULT_REPEAT_MS, MAX_BUDGET_MS),
             warmup=_count(values, "warmup", minimum=0),
             repeat=_count(values, "repeat", minimum=1),
-            flush_l2=flush_l2,
+            flush_l2=flags["flush_l2"],
+            launch_hold=flags["launch_hold"],
             clock_warmup_ms=_budget(values, "clock_warmup_ms", DEFAULT_CLOCK_WARMUP_MS, MAX_CLOCK_WARMUP_MS),
             method=method,
         )
@@ -234,25 +263,66 @@ class Activity(NamedTuple):
     name: str
 
 
+def busy_ns(intervals: Iterable[tuple[int, int]]) -> int:
+    """Length of the union of ``(start, end)`` intervals: the time during which at least one ran."""
+    total = 0
+    open_start: int | None = None
+    open_end = 0
+    for start, end in sorted(intervals):
+        if open_start is None or start > open_end:
+            if open_start is not None:
+                total += open_end - open_start
+            open_start, open_end = start, end
+        else:
+            open_end = max(open_end, end)
+    if open_start is not None:
+        total += open_end - open_start
+    return total
+
+
 @dataclass(frozen=True)
 class CallTimings:
-    """Per-call spans (in call order) and what each call launched."""
+    """What CUPTI saw of each timed call (lists in call order, calls that launched nothing left out).
+
+    - ``spans_ms``: first activity start to last activity end.
+    - ``ready_spans_ms``: from the moment the call's stream was released (the end of the launch hold)
+      to the last activity end; from the first activity start when that came earlier (work on a
+      stream the hold does not hold). Like Nsight Compute's duration, it includes the GPU's own time
+      to take up the first launch; unlike a span after a host synchronisation, it excludes the
+      host's launch overhead. Equal to ``spans_ms`` where no hold ran.
+    - ``busy_ms``: the time during which at least one of the call's activities ran.
+    - ``late_calls``: calls whose last CUDA API call returned after the hold had ended, so the GPU
+      may have waited for the host inside the call.
+    """
 
     spans_ms: list[float]
     signatures: list[list[tuple[str, str]]]
     empty_calls: int
+    ready_spans_ms: list[float] = field(default_factory=list)
+    busy_ms: list[float] = field(default_factory=list)
+    late_calls: int = 0
+    indices: list[int] = field(default_factory=list)
 
 
 def spans_by_call(
-    activities: Iterable[Activity], external_ids: Mapping[int, int], call_ids: Sequence[int]
+    activities: Iterable[Activity],
+    external_ids: Mapping[int, int],
+    call_ids: Sequence[int],
+    *,
+    hold_ends: Mapping[int, int] | None = None,
+    api_ends: Mapping[int, int] | None = None,
 ) -> CallTimings:
-    """Group activities by the timed call that launched them and take each call's span.
+    """Group activities by the timed call that launched them and measure each call.
 
     ``external_ids`` maps a CUPTI correlation id to the external id pushed around the call that made
-    it. Calls that launched nothing are counted in ``empty_calls`` and left out of the spans.
+    it; ``hold_ends`` maps a call id to the end (ns) of the hold launched before it; ``api_ends``
+    maps a CUPTI correlation id to the end of that CUDA API call on the host. Calls that launched
+    nothing are counted in ``empty_calls`` and left out of the lists.
     """
     wanted = set(call_ids)
+    holds = hold_ends or {}
     bounds: dict[int, list[int]] = {}
+    intervals: dict[int, list[tuple[int, int]]] = {}
     launched: dict[int, list[tuple[str, str]]] = {}
     for activity in activities:
         call = external_ids.get(activity.correlation_id)
@@ -261,22 +331,36 @@ def spans_by_call(
         span = bounds.get(call)
         if span is None:
             bounds[call] = [activity.start_ns, activity.end_ns]
-            launched[call] = [(activity.kind, activity.name)]
+            intervals[call] = []
+            launched[call] = []
         else:
             span[0] = min(span[0], activity.start_ns)
             span[1] = max(span[1], activity.end_ns)
-            launched[call].append((activity.kind, activity.name))
-    spans_ms: list[float] = []
-    signatures: list[list[tuple[str, str]]] = []
+        intervals[call].append((activity.start_ns, activity.end_ns))
+        launched[call].append((activity.kind, activity.name))
+    last_api: dict[int, int] = {}
+    for correlation_id, end in (api_ends or {}).items():
+        call = external_ids.get(correlation_id)
+        if call is not None and call in wanted and end > last_api.get(call, 0):
+            last_api[call] = end
+    timings = CallTimings(spans_ms=[], signatures=[], empty_calls=0)
+    late = 0
     empty = 0
-    for call in call_ids:
+    for index, call in enumerate(call_ids):
+        hold_end = holds.get(call)
+        if hold_end is not None and last_api.get(call, 0) > hold_end:
+            late += 1
         if call not in bounds:
             empty += 1
             continue
         start, end = bounds[call]
-        spans_ms.append(max(0, end - start) / 1e6)
-        signatures.append(launched[call])
-    return CallTimings(spans_ms=spans_ms, signatures=signatures, empty_calls=empty)
+        ready = min(start, hold_end) if hold_end is not None else start
+        timings.spans_ms.append(max(0, end - start) / 1e6)
+        timings.ready_spans_ms.append(max(0, end - ready) / 1e6)
+        timings.busy_ms.append(busy_ns(intervals[call]) / 1e6)
+        timings.signatures.append(launched[call])
+        timings.indices.append(index)
+    return dataclasses.replace(timings, empty_calls=empty, late_calls=late)
 
 
 # ----------------------------------------------------------------------------- CUPTI
@@ -288,6 +372,15 @@ class CuptiUnavailable(Exception):
 
 # Our own external-correlation kind: torch's profiler (Kineto) pushes CUSTOM0 and CUSTOM1.
 _EXTERNAL_KIND_NAME: Final = "CUSTOM2"
+
+
+@dataclass
+class TraceRecords:
+    """What CUPTI delivered: device activities, correlation -> external id, correlation -> API end."""
+
+    activities: list[Activity] = field(default_factory=list)
+    external: dict[int, int] = field(default_factory=dict)
+    api_ends: dict[int, int] = field(default_factory=dict)
 
 
 class _CuptiTracer:
@@ -311,11 +404,11 @@ class _CuptiTracer:
         self._kind_names = {int(kind): kind.name.lower() for kind in self._device_kinds}
         self._kernel_kind = int(kinds.CONCURRENT_KERNEL)
         self._memcpy_kinds = {int(kinds.MEMCPY)} | ({int(kinds.MEMCPY2)} if hasattr(kinds, "MEMCPY2") else set())
+        self._api_kinds = {int(kinds.RUNTIME), int(kinds.DRIVER)}
         self._external_record_kind = int(kinds.EXTERNAL_CORRELATION)
         self.external_kind: Any = getattr(cupti.ExternalCorrelationKind, _EXTERNAL_KIND_NAME)
         self._lock = threading.Lock()
-        self._activities: list[Activity] = []
-        self._external: dict[int, int] = {}
+        self._records = TraceRecords()
         self._enabled: list[Any] = []
         try:
             cupti.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
@@ -343,29 +436,34 @@ class _CuptiTracer:
 
     def _buffer_completed(self, records: Iterable[Any]) -> None:
         try:
-            activities: list[Activity] = []
-            external: dict[int, int] = {}
+            batch = TraceRecords()
             for record in records:
                 kind = int(record.kind)
                 if kind == self._external_record_kind:
                     if int(record.external_kind) == int(self.external_kind):
-                        external[int(record.correlation_id)] = int(record.external_id)
+                        batch.external[int(record.correlation_id)] = int(record.external_id)
+                    continue
+                if kind in self._api_kinds:
+                    # Only the end matters: it tells whether the host was still launching when the
+                    # GPU ran out of held work.
+                    batch.api_ends[int(record.correlation_id)] = int(record.end)
                     continue
                 kind_name = self._kind_names.get(kind)
                 if kind_name is None:
-                    continue  # API records: needed by CUPTI to emit correlations, not by us
+                    continue
                 if kind == self._kernel_kind:
                     name = str(record.name)
                 elif kind in self._memcpy_kinds:
                     name = f"copy_kind_{int(getattr(record, 'copy_kind', 0))}"
                 else:
                     name = ""
-                activities.append(
+                batch.activities.append(
                     Activity(kind_name, int(record.correlation_id), int(record.start), int(record.end), name)
                 )
             with self._lock:
-                self._activities.extend(activities)
-                self._external.update(external)
+                self._records.activities.extend(batch.activities)
+                self._records.external.update(batch.external)
+                self._records.api_ends.update(batch.api_ends)
         except Exception as exc:
             print(f"kcoral.builtins: CUPTI record processing failed: {exc!r}", file=sys.stderr)
 
@@ -390,18 +488,19 @@ class _CuptiTracer:
     def pop(self) -> None:
         self._cupti.activity_pop_external_correlation_id(self.external_kind)
 
-    def drain(self) -> tuple[list[Activity], dict[int, int]]:
+    def drain(self) -> TraceRecords:
         """Flush every buffer (complete or not) and take what was recorded so far."""
         self._cupti.activity_flush_all(1)  # 1 = CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
         with self._lock:
-            activities, self._activities = self._activities, []
-            external, self._external = self._external, {}
-        return activities, external
+            records, self._records = self._records, TraceRecords()
+        return records
 
 
 # Each benchmark() takes a fresh block of external ids so stray records of an earlier run in the
-# same process can never be attributed to this one.
+# same process can never be attributed to this one. Inside a block, call i has id base + i, the
+# hold launched before it base + HOLD_ID_OFFSET + i (MAX_COUNT stays below the offset).
 _EXTERNAL_ID_BLOCK: Final = 1 << 20
+HOLD_ID_OFFSET: Final = 1 << 19
 _external_id_lock = threading.Lock()
 _next_external_block = 1
 
@@ -412,6 +511,17 @@ def _reserve_external_ids() -> int:
         base = _next_external_block * _EXTERNAL_ID_BLOCK
         _next_external_block += 1
     return base
+
+
+def hold_ends_by_call(activities: Iterable[Activity], external_ids: Mapping[int, int]) -> dict[int, int]:
+    """Call id -> end (ns) of the hold kernel launched before that call."""
+    ends: dict[int, int] = {}
+    for activity in activities:
+        external = external_ids.get(activity.correlation_id)
+        if external is not None and external % _EXTERNAL_ID_BLOCK >= HOLD_ID_OFFSET:
+            call = external - HOLD_ID_OFFSET
+            ends[call] = max(ends.get(call, 0), activity.end_ns)
+    return ends
 
 
 # ----------------------------------------------------------------------------- NVML
@@ -485,13 +595,16 @@ def _import_torch_with_gpu() -> Any:
 
 
 class _Runner:
-    """Runs the user's call with the L2 flush and synchronisation around it."""
+    """Runs the user's call with the L2 flush, the launch hold and synchronisation around it."""
 
     def __init__(self, torch: Any, fn: Callable[..., Any], args: tuple[Any, ...], flush_l2: bool) -> None:
         self.torch = torch
         self._fn = fn
         self._args = args
         self._flush_buffer: Any = None
+        # torch's one-thread spin kernel (clock64 loop) on the current stream; private but present
+        # since torch 1.x. Without it there is no hold and spans include host launch gaps.
+        self._spin: Callable[[int], None] | None = getattr(torch.cuda, "_sleep", None)
         if flush_l2:
             device = torch.cuda.current_device()
             l2_bytes = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
@@ -500,6 +613,10 @@ class _Runner:
             elements = L2_FLUSH_FACTOR * l2_bytes // 4
             self._flush_buffer = torch.zeros(elements, dtype=torch.float32, device=device)
 
+    @property
+    def can_hold(self) -> bool:
+        return self._spin is not None
+
     def flush(self) -> None:
         if self._flush_buffer is not None:
             self._flush_buffer.sum()
@@ -507,13 +624,36 @@ class _Runner:
     def call(self) -> None:
         self._fn(*self._args)
 
+    def hold(self, cycles: int) -> None:
+        if self._spin is not None and cycles > 0:
+            self._spin(cycles)
+
     def synchronize(self) -> None:
         self.torch.cuda.synchronize()
 
-    def iteration(self) -> None:
+    def iteration(self) -> float:
+        """Flush, call, synchronise; return the host time the call took to launch its work (ms)."""
         self.flush()
+        tick = time.perf_counter()
         self.call()
+        launched = time.perf_counter()
         self.synchronize()
+        return (launched - tick) * 1e3
+
+    def spin_cycles_per_us(self) -> float | None:
+        """SM cycles the spin kernel counts per microsecond now (calibrated with CUDA events)."""
+        if self._spin is None:
+            return None
+        torch = self.torch
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        self.synchronize()
+        start.record()
+        self._spin(HOLD_CALIBRATION_CYCLES)
+        end.record()
+        end.synchronize()
+        elapsed_us = float(start.elapsed_time(end)) * 1e3
+        return HOLD_CALIBRATION_CYCLES / elapsed_us if elapsed_us > 0 else None
 
 
 @dataclass
@@ -522,6 +662,57 @@ class _Measurement:
     stable: bool
     empty_calls: int
     activities_per_call: int | None
+    by_estimate: dict[str, float | None] = field(default_factory=dict)
+    late_calls: int | None = None
+
+
+def _timed_calls(
+    runner: _Runner,
+    count: int,
+    *,
+    hold_cycles: int,
+    tracer: _CuptiTracer | None = None,
+    base: int = 0,
+) -> list[float]:
+    """Run ``count`` calls, each after a flush, a synchronisation and a hold; return event times (ms).
+
+    The host synchronises after the flush so no work of the call (on any stream) overlaps it. Then
+    a one-thread spin kernel holds the current stream while the host records the start event and
+    launches the call behind it: when the hold ends, the call's work is already queued, so the
+    host's launch overhead stays out of the measurement, as it does for Nsight Compute. Work on
+    other streams is not held and may start during the spin, which occupies one SM only.
+    """
+    torch = runner.torch
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+    runner.synchronize()
+    if tracer is not None:
+        tracer.enable(correlation=True)
+    try:
+        for index, (start, end) in enumerate(events):
+            runner.flush()
+            runner.synchronize()
+            if tracer is not None and hold_cycles > 0:
+                tracer.push(base + HOLD_ID_OFFSET + index)
+                try:
+                    runner.hold(hold_cycles)
+                finally:
+                    tracer.pop()
+            else:
+                runner.hold(hold_cycles)
+            start.record()
+            if tracer is not None:
+                tracer.push(base + index)
+            try:
+                runner.call()
+            finally:
+                if tracer is not None:
+                    tracer.pop()
+            end.record()
+            runner.synchronize()
+    finally:
+        if tracer is not None:
+            tracer.disable()
+    return [float(start.elapsed_time(end)) for start, end in events]
 
 
 class _CuptiTimer:
@@ -533,52 +724,69 @@ class _CuptiTimer:
     def probe(self, runner: _Runner) -> None:
         """Run one traced call; a call that launches no GPU work cannot be timed."""
         base = _reserve_external_ids()
-        self._traced_calls(runner, [base])
-        activities, external = self._tracer.drain()
-        timings = spans_by_call(activities, external, [base])
-        if timings.empty_calls:
+        _timed_calls(runner, 1, hold_cycles=0, tracer=self._tracer, base=base)
+        records = self._tracer.drain()
+        if spans_by_call(records.activities, records.external, [base]).empty_calls:
             raise ExecutionError(
                 "unavailable",
                 "the benchmarked call launched no GPU work (no kernel, memcpy or memset was recorded); "
                 "there is nothing to time",
             )
 
-    def measure(self, runner: _Runner, repeat: int, nvml: _Nvml | None) -> tuple[_Measurement, dict[str, Any]]:
+    def fit_hold(self, runner: _Runner, hold_us: float, cycles_per_us: float) -> float:
+        """Lengthen the hold until traced calls finish launching before it ends (bounded)."""
+        for _ in range(HOLD_FIT_ROUNDS):
+            base = _reserve_external_ids()
+            _timed_calls(
+                runner, HOLD_FIT_CALLS, hold_cycles=int(hold_us * cycles_per_us), tracer=self._tracer, base=base
+            )
+            records = self._tracer.drain()
+            holds = hold_ends_by_call(records.activities, records.external)
+            timings = spans_by_call(
+                records.activities,
+                records.external,
+                [base + index for index in range(HOLD_FIT_CALLS)],
+                hold_ends=holds,
+                api_ends=records.api_ends,
+            )
+            if timings.late_calls == 0 or hold_us >= MAX_HOLD_US:
+                break
+            hold_us = min(MAX_HOLD_US, hold_us * 2)
+        return hold_us
+
+    def measure(
+        self, runner: _Runner, repeat: int, hold_cycles: int, nvml: _Nvml | None
+    ) -> tuple[_Measurement, dict[str, Any]]:
         base = _reserve_external_ids()
         call_ids = [base + index for index in range(repeat)]
-        self._traced_calls(runner, call_ids)
+        event_ms = _timed_calls(runner, repeat, hold_cycles=hold_cycles, tracer=self._tracer, base=base)
         after = _clock_state(nvml)
-        activities, external = self._tracer.drain()
-        timings = spans_by_call(activities, external, call_ids)
+        records = self._tracer.drain()
+        holds = hold_ends_by_call(records.activities, records.external) if hold_cycles > 0 else {}
+        timings = spans_by_call(
+            records.activities, records.external, call_ids, hold_ends=holds, api_ends=records.api_ends
+        )
         if not timings.spans_ms:
             raise ExecutionError("unavailable", "the benchmarked call launched no GPU work during the counted calls")
         counts = {len(signature) for signature in timings.signatures}
+        events = [event_ms[index] for index in timings.indices]
+        by_estimate: dict[str, float | None] = {
+            "ready_span": _median(timings.ready_spans_ms),
+            "span": _median(timings.spans_ms),
+            "busy": _median(timings.busy_ms),
+            "cuda_event": _median(events),
+        }
         return (
             _Measurement(
-                samples_ms=timings.spans_ms,
+                samples_ms=timings.ready_spans_ms,
                 stable=timings.empty_calls == 0 and activities_stable(timings.signatures),
                 empty_calls=timings.empty_calls,
                 activities_per_call=counts.pop() if len(counts) == 1 else None,
+                by_estimate=by_estimate,
+                late_calls=timings.late_calls if hold_cycles > 0 else None,
             ),
             after,
         )
-
-    def _traced_calls(self, runner: _Runner, call_ids: Sequence[int]) -> None:
-        tracer = self._tracer
-        runner.synchronize()
-        tracer.enable(correlation=True)
-        try:
-            for call_id in call_ids:
-                runner.flush()
-                runner.synchronize()  # side-stream work of the call must not overlap the flush
-                tracer.push(call_id)
-                try:
-                    runner.call()
-                finally:
-                    tracer.pop()
-                runner.synchronize()
-        finally:
-            tracer.disable()
 
 
 class _EventTimer:
@@ -587,22 +795,26 @@ class _EventTimer:
     def probe(self, runner: _Runner) -> None:
         runner.iteration()
 
-    def measure(self, runner: _Runner, repeat: int, nvml: _Nvml | None) -> tuple[_Measurement, dict[str, Any]]:
-        torch = runner.torch
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
-        runner.synchronize()
-        # No host synchronisation between calls: the stream orders flush and call, and a host that
-        # waits would let the launch latency into the event interval.
-        for start, end in zip(starts, ends, strict=True):
-            runner.flush()
-            start.record()
-            runner.call()
-            end.record()
-        runner.synchronize()
+    def fit_hold(self, runner: _Runner, hold_us: float, cycles_per_us: float) -> float:
+        return hold_us  # without CUPTI the host's lateness cannot be seen
+
+    def measure(
+        self, runner: _Runner, repeat: int, hold_cycles: int, nvml: _Nvml | None
+    ) -> tuple[_Measurement, dict[str, Any]]:
+        samples = _timed_calls(runner, repeat, hold_cycles=hold_cycles)
         after = _clock_state(nvml)
-        samples = [float(start.elapsed_time(end)) for start, end in zip(starts, ends, strict=True)]
-        return _Measurement(samples_ms=samples, stable=True, empty_calls=0, activities_per_call=None), after
+        measurement = _Measurement(
+            samples_ms=samples,
+            stable=True,
+            empty_calls=0,
+            activities_per_call=None,
+            by_estimate={"cuda_event": _median(samples)},
+        )
+        return measurement, after
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
 
 
 def _clock_state(nvml: _Nvml | None) -> dict[str, Any]:
@@ -611,11 +823,14 @@ def _clock_state(nvml: _Nvml | None) -> dict[str, Any]:
     return {"sm_clock_mhz": nvml.sm_clock_mhz(), "reasons": nvml.clock_event_reasons()}
 
 
-def _warm_clock(runner: _Runner, nvml: _Nvml | None, budget_ms: float) -> tuple[bool | None, float, list[float]]:
+def _warm_clock(
+    runner: _Runner, nvml: _Nvml | None, budget_ms: float, launch_ms: list[float]
+) -> tuple[bool | None, float, list[float]]:
     """Run the call until the SM clock is steady or the budget is spent.
 
     Returns (steady, milliseconds spent, wall time of each iteration in ms); steady is None when
-    NVML cannot read the clock or the budget is zero.
+    NVML cannot read the clock or the budget is zero. Each call's host launch time is appended to
+    ``launch_ms``.
     """
     if nvml is None or budget_ms <= 0 or nvml.sm_clock_mhz() is None:
         return None, 0.0, []
@@ -627,7 +842,7 @@ def _warm_clock(runner: _Runner, nvml: _Nvml | None, budget_ms: float) -> tuple[
     steady = False
     while True:
         tick = time.perf_counter()
-        runner.iteration()
+        launch_ms.append(runner.iteration())
         now = time.perf_counter()
         iterations.append((now - tick) * 1e3)
         if now >= next_sample:
@@ -654,24 +869,36 @@ def _choose_timer(method: str) -> tuple[_CuptiTimer | _EventTimer, str | None]:
         return _EventTimer(), str(exc)
 
 
+def initial_hold_us(launch_ms: Sequence[float]) -> float:
+    """A first guess at the hold: a multiple of the call's untraced host launch time, bounded."""
+    launch_us = float(statistics.median(launch_ms)) * 1e3 if launch_ms else 0.0
+    return min(MAX_HOLD_US, max(MIN_HOLD_US, HOLD_LAUNCH_FACTOR * launch_us + HOLD_MARGIN_US))
+
+
 def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Time ``fn(*args)`` on the GPU and return latency statistics in milliseconds.
 
-    Each counted call is timed from the start of its first GPU activity (kernel, memcpy, memset, on
-    any stream launched from this thread) to the end of its last, from CUPTI activity records; the
-    L2 cache is flushed between calls, outside the timed span. Before counting, the call runs until
-    the SM clock is steady (at most ``clock_warmup_ms``), then for the warm-up budget.
+    Each counted call is timed from CUPTI activity records of every kernel, memcpy and memset it
+    launches, on any stream: from the moment its stream is released to the end of its last
+    activity. Before each call the L2 cache is flushed and the device synchronised; then a short
+    GPU spin holds the current stream while the host launches the call behind it, so the host's
+    launch overhead stays out of the time (as it does in Nsight Compute). Before counting, the call
+    runs until the SM clock is steady (at most ``clock_warmup_ms``), then for the warm-up budget.
 
     Config keys (``config={...}`` or a trailing dict argument): ``warmup_ms`` (25), ``repeat_ms``
     (100), ``warmup`` and ``repeat`` (counts; they override the budgets), ``flush_l2`` (True),
-    ``clock_warmup_ms`` (1000; 0 skips the clock warm-up), ``method`` (``"auto"``, ``"cupti"`` or
-    ``"cuda_event"``). Counts are capped at 10000 and budgets at 10 s.
+    ``launch_hold`` (True; False times from the first activity's start after a host
+    synchronisation, host launch gaps included), ``clock_warmup_ms`` (1000; 0 skips the clock
+    warm-up), ``method`` (``"auto"``, ``"cupti"`` or ``"cuda_event"``). Counts are capped at 10000
+    and budgets at 10 s.
 
     The result holds ``latency_ms_median``/``_mean``/``_min``/``_max``/``_std``, ``warmup`` and
     ``repeat`` (counts used), ``flush_l2``, ``activities_stable`` (False when calls launched
     different activities; always True with CUDA events, which cannot tell), ``method``
-    (``"cupti"`` or ``"cuda_event"``), ``sm_clock_mhz_before``/``_after``,
-    ``throttle_reasons_before``/``_after``, ``throttled`` (None where NVML is missing) and ``gpu``.
+    (``"cupti"`` or ``"cuda_event"``), ``latency_ms_median_by`` (the median by each way of
+    measuring: ``ready_span``, ``span``, ``busy``, ``cuda_event``), ``launch_hold_us`` and
+    ``launch_late_calls``, ``sm_clock_mhz_before``/``_after``, ``throttle_reasons_before``/``_after``,
+    ``throttled`` (None where NVML is missing) and ``gpu``.
 
     Raises ``ExecutionError("parse")`` for a bad config and ``ExecutionError("unavailable")`` when
     there is no GPU or the call launches no GPU work.
@@ -685,7 +912,7 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
         b = torch.randn_like(a)
         out = torch.empty_like(a)
         result = benchmark(lambda x, y: torch.add(x, y, out=out), a, b, {"repeat": 200})
-        print(result["latency_ms_median"], result["method"])   # e.g. 0.0329 cupti
+        print(result["latency_ms_median"], result["method"])   # e.g. 0.0446 cupti
     """
     call_args, settings = split_config(args, config)
     torch = _import_torch_with_gpu()
@@ -695,7 +922,7 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
     nvml = _Nvml.open(torch, device)
 
     # The first call pays one-off costs (compilation, autotuning, handles); keep it out of the probe.
-    runner.iteration()
+    launch_ms = [runner.iteration()]
     if isinstance(timer, _CuptiTimer):
         try:
             timer.probe(runner)
@@ -708,15 +935,22 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
             cupti_error = f"CUPTI tracing failed: {exc!r}"
             timer = _EventTimer()
 
-    clock_steady, clock_warmup_ms, iteration_ms = _warm_clock(runner, nvml, settings.clock_warmup_ms)
+    clock_steady, clock_warmup_ms, iteration_ms = _warm_clock(runner, nvml, settings.clock_warmup_ms, launch_ms)
     if len(iteration_ms) < ESTIMATE_CALLS:
         for _ in range(ESTIMATE_CALLS - len(iteration_ms)):
             tick = time.perf_counter()
-            runner.iteration()
+            launch_ms.append(runner.iteration())
             iteration_ms.append((time.perf_counter() - tick) * 1e3)
+
+    hold_us = 0.0
+    cycles_per_us = runner.spin_cycles_per_us() if settings.launch_hold else None
+    if cycles_per_us:
+        hold_us = timer.fit_hold(runner, initial_hold_us(launch_ms[1:] or launch_ms), cycles_per_us)
+    hold_cycles = int(hold_us * cycles_per_us) if cycles_per_us else 0
+
     # The median of the latest iterations: early ones can still include clock ramp-up.
     per_call_ms = float(statistics.median(iteration_ms[-max(ESTIMATE_CALLS, len(iteration_ms) // 2) :]))
-
+    per_call_ms += hold_us / 1e3
     warmup = (
         settings.warmup
         if settings.warmup is not None
@@ -731,7 +965,7 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
         runner.iteration()
 
     before = _clock_state(nvml)
-    measurement, after = timer.measure(runner, repeat, nvml)
+    measurement, after = timer.measure(runner, repeat, hold_cycles, nvml)
 
     result: dict[str, Any] = summarize(measurement.samples_ms)
     reasons_after = after["reasons"]
@@ -746,6 +980,9 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
             "activities_per_call": measurement.activities_per_call,
             "method": timer.method,
             "cupti_error": cupti_error,
+            "latency_ms_median_by": measurement.by_estimate,
+            "launch_hold_us": round(hold_us, 1) if hold_cycles else 0.0,
+            "launch_late_calls": measurement.late_calls,
             "clock_steady": clock_steady,
             "clock_warmup_ms": round(clock_warmup_ms, 3),
             "sm_clock_mhz_before": before["sm_clock_mhz"],

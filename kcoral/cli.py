@@ -22,6 +22,20 @@ EXIT_CONFIG = 78  # the broker cannot start with these settings
 
 DEFAULT_BROKER_URL = "tcp://127.0.0.1:5555"
 
+# Default per-worker limits (see kcoral.worker.processes for how each is enforced). Generous for
+# real work, tight enough that a runaway program fails with a message naming the limit before it
+# starves the host: a parallel nvcc/ninja build on a large host runs a few hundred processes; no
+# single file a kernel program writes (profiles, datasets) nears 16 GiB; 16384 descriptors are
+# more than any program needs, and a descriptor leak then fails fast.
+DEFAULT_MAX_PROCESSES = 1024
+DEFAULT_MAX_FILE_BYTES = 16 << 30
+DEFAULT_MAX_OPEN_FILES = 16384
+# Memory: the workers together may use this share of the host's RAM, so that a memory bomb meets
+# its worker's limit before the kernel's OOM killer picks a victim (the broker, perhaps). The floor
+# keeps room for a CUDA context, which alone counts about 1.4 GiB of private memory.
+DEFAULT_MEMORY_SHARE = 0.8
+MIN_DEFAULT_MEMORY_BYTES = 4 << 30
+
 
 def configure_logging(level: str, as_json: bool) -> None:
     """Key-value structlog events on stderr; called once, here."""
@@ -73,6 +87,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kcoral", description="KCoral: a GPU evaluation service.")
     parser.add_argument("--log-level", default=os.environ.get("KCORAL_LOG_LEVEL", "info"))
@@ -89,16 +110,49 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--sandbox", choices=("bubblewrap", "none"), default=None)
     broker.add_argument("--sandbox-readonly-path", action="append", type=Path, default=[])
     broker.add_argument("--max-programs-per-worker", type=_non_negative, default=1, help="0: reuse workers")
-    broker.add_argument("--cache-dir", type=Path, default=None)
+    broker.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="disk blob cache (default: RUN_DIR/cache, deleted with a temporary run dir; "
+        "give this or --run-dir for a cache that survives a restart)",
+    )
     broker.add_argument("--cache-bytes", type=_size, default=1 << 30)
     broker.add_argument("--cache-disk-bytes", type=_size, default=32 << 30)
     broker.add_argument("--max-queued", type=_positive, default=1024)
     broker.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
     broker.add_argument("--max-response-bytes", type=_size, default=protocol.DEFAULT_MAX_RESPONSE_BYTES)
-    broker.add_argument("--memory-limit", type=_size, default=0, help="address space per worker (CPU hosts)")
-    broker.add_argument("--max-processes", type=_non_negative, default=0, help="processes per worker")
-    broker.add_argument("--max-file-bytes", type=_size, default=0, help="largest file a worker may write")
-    broker.add_argument("--max-open-files", type=_non_negative, default=0)
+    broker.add_argument(
+        "--negotiation-timeout",
+        type=_positive_seconds,
+        default=None,
+        help="seconds a program waits for each round of its missing blobs (default 60)",
+    )
+    broker.add_argument(
+        "--memory-limit",
+        type=_size,
+        default=None,
+        help="private memory per worker, all its processes together; 0: none "
+        "(default: 80%% of RAM shared among the slots, at least 4 GiB)",
+    )
+    broker.add_argument(
+        "--max-processes",
+        type=_non_negative,
+        default=DEFAULT_MAX_PROCESSES,
+        help=f"processes per worker, itself included; 0: none (default {DEFAULT_MAX_PROCESSES})",
+    )
+    broker.add_argument(
+        "--max-file-bytes",
+        type=_size,
+        default=DEFAULT_MAX_FILE_BYTES,
+        help="largest file a worker may write; 0: none (default 16 GiB)",
+    )
+    broker.add_argument(
+        "--max-open-files",
+        type=_non_negative,
+        default=DEFAULT_MAX_OPEN_FILES,
+        help=f"open files per worker process; 0: the inherited limit (default {DEFAULT_MAX_OPEN_FILES})",
+    )
     broker.add_argument("--run-dir", type=Path, default=None, help="sockets and workspaces (default: a temp dir)")
     broker.add_argument("--upstream", default=None, help="a router's nodes endpoint to join")
     broker.add_argument("--node-id", default=None)
@@ -119,8 +173,27 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USAGE
 
 
+def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
+    """DEFAULT_MEMORY_SHARE of the RAM divided among the worker slots the broker will run."""
+    if args.fake_gpus:
+        slots = args.fake_gpus * args.workers_per_gpu
+    elif args.gpus:
+        slots = len(args.gpus) * args.workers_per_gpu
+    else:
+        # Counting device nodes finds the GPUs without initialising CUDA in this process.
+        gpus = 0 if args.device == "cpu" else len(list(Path("/dev").glob("nvidia[0-9]*")))
+        slots = gpus * args.workers_per_gpu if gpus else cpu_workers
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(MIN_DEFAULT_MEMORY_BYTES, int(ram * DEFAULT_MEMORY_SHARE / max(1, slots)))
+
+
 def _broker(args: argparse.Namespace) -> int:
-    from kcoral.broker.broker import BrokerSettings, install_event_loop_policy, run_broker
+    from kcoral.broker.broker import (
+        NEGOTIATION_TIMEOUT_SECONDS,
+        BrokerSettings,
+        install_event_loop_policy,
+        run_broker,
+    )
     from kcoral.broker.target import TargetError
     from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
 
@@ -131,8 +204,9 @@ def _broker(args: argparse.Namespace) -> int:
             sandbox = "bubblewrap"
         except SandboxUnavailable:
             sandbox = "none"
+    workers = args.workers or max(1, min(4, (os.cpu_count() or 2)))
     limits = {
-        "address_space_bytes": args.memory_limit,
+        "memory_bytes": args.memory_limit if args.memory_limit is not None else _default_memory_limit(args, workers),
         "processes": args.max_processes,
         "file_size_bytes": args.max_file_bytes,
         "open_files": args.max_open_files,
@@ -143,7 +217,7 @@ def _broker(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         fake_gpus=args.fake_gpus,
         workers_per_gpu=args.workers_per_gpu,
-        workers=args.workers or max(1, min(4, (os.cpu_count() or 2))),
+        workers=workers,
         sandbox=sandbox,
         sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
         max_programs_per_worker=args.max_programs_per_worker,
@@ -153,6 +227,7 @@ def _broker(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         max_request_bytes=args.max_request_bytes,
         max_response_bytes=args.max_response_bytes,
+        negotiation_timeout_seconds=args.negotiation_timeout or NEGOTIATION_TIMEOUT_SECONDS,
         run_dir=args.run_dir,
         limits={k: v for k, v in limits.items() if v},
     )
@@ -195,7 +270,9 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  slot {zygote['slot']} gpu={zygote['gpu']} {zygote['state']} restarts={zygote['restarts']}")
     cache = health.get("cache", {})
     print(
-        f"cache     {cache.get('entries')} blobs, {cache.get('bytes')} bytes, hits={cache.get('hits')} misses={cache.get('misses')}"
+        f"cache     memory {cache.get('entries')} blobs, {cache.get('bytes')} bytes; "
+        f"disk {cache.get('disk_entries')} blobs, {cache.get('disk_bytes')} bytes in {cache.get('dir')}; "
+        f"hits={cache.get('hits')} misses={cache.get('misses')}"
     )
     for node in health.get("nodes", []) or []:
         print(f"  node {node}")

@@ -227,7 +227,7 @@ def pack(obj: object) -> bytes:
     )
 
 
-def _ext_hook(code: int, data: bytes) -> object:
+def _ext_hook(code: int, data: bytes, depth: int = 0) -> object:
     try:
         if code == EXT_TENSOR:
             framework, dtype, shape, source = _unpack_plain(data)
@@ -244,7 +244,12 @@ def _ext_hook(code: int, data: bytes) -> object:
         if code == EXT_REF:
             return RefValue(check_id(data.decode()))
         if code == EXT_TUPLE:
-            return tuple(unpack(data))
+            # Each nested tuple is a nested unpackb call, and each call puts a ~40 KiB msgpack
+            # context on the C stack: without this bound, a 1 KiB body of ~200 nested tuples
+            # overflows an 8 MiB stack and kills the process (a segfault, not an exception).
+            if depth >= MAX_NESTING:
+                raise WireError(f"tuples nested deeper than {MAX_NESTING} levels")
+            return tuple(_unpack(data, depth + 1))
         if code == EXT_BYTES:
             return BytesFrame(_frame_index(_unpack_plain(data)))
         if code == EXT_FILE:
@@ -286,6 +291,10 @@ def _unpack_plain(data: bytes) -> Any:
 
 def unpack(data: bytes | memoryview) -> Any:
     """Decode a body; raises WireError on anything that is not valid KCoral msgpack."""
+    return _unpack(data, 0)
+
+
+def _unpack(data: bytes | memoryview, depth: int) -> Any:
     if len(data) > MAX_BODY_BYTES:
         raise WireError(f"body of {len(data)} bytes is over the limit of {MAX_BODY_BYTES}")
     try:
@@ -293,7 +302,7 @@ def unpack(data: bytes | memoryview) -> Any:
             data,
             raw=False,
             strict_map_key=False,
-            ext_hook=_ext_hook,
+            ext_hook=lambda code, payload: _ext_hook(code, payload, depth),
         )
     except WireError:
         raise
@@ -352,7 +361,7 @@ def tensor_to_wire(value: Any) -> tuple[str, str, tuple[int, ...], memoryview]:
         dtype = array.dtype.name
         if dtype not in DTYPES or DTYPES[dtype][1] is None:
             raise WireError(f"numpy dtype {array.dtype} is not supported on the wire")
-        return FRAMEWORK_NUMPY, dtype, tuple(array.shape), memoryview(array.reshape(-1).view(np.uint8))
+        return FRAMEWORK_NUMPY, dtype, tuple(array.shape), array.reshape(-1).view(np.uint8).data
     torch = _torch_if_loaded()
     if torch is not None and isinstance(value, torch.Tensor):
         tensor = value.detach().to("cpu").contiguous()
@@ -360,7 +369,7 @@ def tensor_to_wire(value: Any) -> tuple[str, str, tuple[int, ...], memoryview]:
         if dtype not in DTYPES:
             raise WireError(f"torch dtype {tensor.dtype} is not supported on the wire")
         raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
-        return FRAMEWORK_TORCH, dtype, tuple(tensor.shape), memoryview(raw)
+        return FRAMEWORK_TORCH, dtype, tuple(tensor.shape), raw.data
     raise WireError(f"{type(value).__name__} is not a tensor")
 
 
@@ -429,7 +438,7 @@ def encode_value(value: Any, sink: WireSink, *, bytes_to_frames: bool = False, d
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, str):
-        return str(value)
+        return str.__str__(value)  # the characters themselves: str() of a str Enum gives "Cls.NAME"
     if isinstance(value, float):
         return float(value)
     if isinstance(value, int):

@@ -156,6 +156,19 @@ def test_put_accepts_any_buffer_and_keeps_its_own_copy(make_store: StoreFactory)
     assert store.get(digest).readonly
 
 
+def test_put_with_adopt_keeps_the_callers_buffer_without_a_copy(make_store: StoreFactory) -> None:
+    store = make_store()
+    frame = bytearray(b"a received zmq frame")
+    digest = BlobStore.digest_of(frame)
+    store.put(digest, memoryview(frame), adopt=True)
+    kept = store.get(digest)
+    assert kept.readonly
+    # The same memory: a write the caller promised never to make shows through.
+    frame[0:1] = b"A"
+    assert bytes(kept[:1]) == b"A"
+    assert store.stats()["bytes"] == len(frame)
+
+
 def test_disk_tier_survives_a_new_store_on_the_same_directory(make_store: StoreFactory) -> None:
     store = make_store(disk=True)
     digests = [store_blob(store, blob(100, fill)) for fill in range(3)]

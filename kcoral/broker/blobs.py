@@ -114,7 +114,8 @@ class BlobStore:
     def __init__(self, settings: BlobStoreSettings) -> None:
         self._settings = settings
         # Insertion order is LRU order: the first entry is the oldest; a use moves it to the end.
-        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        # Values are bytes, or read-only views of buffers adopted from the caller (put(adopt=True)).
+        self._memory: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self._memory_bytes = 0
         self._disk: OrderedDict[str, int] = OrderedDict()
         self._disk_bytes = 0
@@ -154,12 +155,14 @@ class BlobStore:
         self._hits += len(unique) - len(absent)
         return absent
 
-    def put(self, digest: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, digest: str, data: bytes | bytearray | memoryview, *, adopt: bool = False) -> None:
         """Store ``data`` under ``digest`` after checking that it hashes to it; idempotent.
 
         Takes anything with the buffer protocol (``zmq.Frame.buffer``, ``bytearray``, ...). The
         memory tier keeps one copy (none for ``bytes``, which cannot change under us); the disk
-        tier is written straight from the caller's buffer.
+        tier is written straight from the caller's buffer. With ``adopt`` the caller hands the
+        buffer over and promises never to write to it again (a received zmq frame): the memory
+        tier then keeps a read-only view of it, not a copy.
         """
         _check_digest(digest)
         view = _as_bytes_view(data)
@@ -179,8 +182,15 @@ class BlobStore:
         if digest in self._memory:
             self._memory.move_to_end(digest)
             return
-        # Keep the caller's bytes object itself when it is one; otherwise this is the one copy.
-        kept = data if isinstance(data, bytes) else view.tobytes()
+        # Keep the caller's bytes object itself when it is one, or its adopted buffer; otherwise
+        # this is the one copy.
+        kept: bytes | memoryview
+        if isinstance(data, bytes):
+            kept = data
+        elif adopt:
+            kept = view.toreadonly()
+        else:
+            kept = view.tobytes()
         self._memory[digest] = kept
         self._memory_bytes += size
         self._evict_memory(keep=digest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import platform
 import shutil
 import signal
@@ -31,12 +32,17 @@ from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target
+from kcoral.worker.sandbox import BLOBS as SANDBOX_BLOBS_DIR
 
 log = structlog.get_logger("kcoral.broker")
 
 NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blobs is dropped
+# Received frames at least this large are kept by the blob store as they are, not copied: smaller
+# ones may share one of libzmq's receive buffers (8 KiB), which a kept view would pin whole.
+ADOPT_FRAME_BYTES = 64 << 10
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
 SOCKET_HIGH_WATER_MARK = 100_000
+MAX_REMEMBERED_EXITS = 10_000
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
 
 
@@ -53,12 +59,19 @@ class BrokerSettings:
     sandbox: str = "none"
     sandbox_readonly_paths: tuple[Path, ...] = ()
     max_programs_per_worker: int = 1
+    # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
+    # --cache-dir (or --run-dir) for a disk cache that survives a restart.
     cache_dir: Path | None = None
     cache_bytes: int = 1 << 30
     cache_disk_bytes: int = 32 << 30
     max_queued: int = 1024
     max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
     max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
+    # How long a program waits for a round of its missing blobs; it must cover their upload time.
+    negotiation_timeout_seconds: float = NEGOTIATION_TIMEOUT_SECONDS
+    # Blobs at least this large that are in the disk cache reach the worker as a path to map, not
+    # as a frame: no copy through the broker's memory and the ipc socket.
+    blob_path_min_bytes: int = 1 << 20
     run_dir: Path | None = None
     limits: dict[str, int] = field(default_factory=dict)
     preload: str = "numpy,torch"
@@ -71,6 +84,7 @@ class Worker:
     gpu: int | None
     pid: int
     request_id: str | None = None
+    exited: bool = False
 
 
 @dataclass
@@ -105,6 +119,10 @@ class Broker:
         self.leases = LeaseTable(self.gpu_ids)
         self.run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="kcoral-"))
         self._own_run_dir = settings.run_dir is None
+        if settings.cache_dir is None:
+            # Workers read large blobs from the disk tier, so there always is one.
+            settings = dataclasses.replace(settings, cache_dir=self.run_dir / "cache")
+            self.settings = settings
         cache_dir = settings.cache_dir
         self.blobs = BlobStore(
             BlobStoreSettings(
@@ -228,6 +246,9 @@ class Broker:
                 self._handle_client(frames)
             except Exception:
                 log.exception("client_message_failed")
+            # Drop this message's frames now, not when the next message arrives: a large upload or
+            # result would otherwise stay in memory for as long as the socket is quiet.
+            del frames
 
     def _handle_client(self, frames: list[zmq.Frame]) -> None:
         client = bytes(frames[0].buffer)
@@ -281,7 +302,8 @@ class Broker:
                 client,
                 request_id,
                 "request_too_large",
-                f"the program's uploads are {declared} bytes; this broker takes at most {self.settings.max_request_bytes}",
+                f"the program's uploads are {declared} bytes; "
+                f"this broker takes at most {self.settings.max_request_bytes}",
             )
             return
         gpu_count = options.gpu_count if options.gpu_count is not None else (1 if self.gpu_ids else 0)
@@ -295,14 +317,22 @@ class Broker:
             return
         request = Request(request_id, client, program, options, digests, gpu_count)
         self.requests[request_id] = request
+        # Pinned before anything is stored, so no eviction can fall between a blob's arrival (or
+        # its being found in the cache) and the program's end.
         for digest in digests:
             self.blobs.pin(digest, request_id)
+        # One hit or miss per blob and program, on what the cache held when the program arrived;
+        # later rounds check without counting, so a cold blob is not also counted as a hit.
+        absent = self.blobs.missing(digests)
         log.info(
-            "request_received", request_id=request_id, instructions=len(program["instructions"]), blobs=len(digests)
+            "request_received",
+            request_id=request_id,
+            instructions=len(program["instructions"]),
+            blobs=len(digests),
+            missing=len(absent),
         )
-        if not self._store_blobs(request, body, data):
-            return
-        self._negotiate(request)
+        if self._store_blobs(request, body, data):
+            self._negotiate(request, progressed=True)
 
     def _on_blobs(self, client: bytes, request_id: str, body: dict[str, Any], data: list[Any]) -> None:
         request = self.requests.get(request_id)
@@ -310,17 +340,22 @@ class Broker:
             self._reply_error(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
             return
         if self._store_blobs(request, body, data):
-            self._negotiate(request)
+            # An empty BLOBS does not extend the deadline: a client that sends nothing is dropped.
+            self._negotiate(request, progressed=bool(data))
 
     def _store_blobs(self, request: Request, body: dict[str, Any], data: list[Any]) -> bool:
+        """Check and store the blobs attached to EXECUTE or BLOBS; False when the request was
+        refused (and answered) instead."""
         digests = body.get("blobs") or []
+        wanted = set(request.digests)
         try:
             if not isinstance(digests, list) or len(digests) != len(data):
                 raise protocol.WireError("the blobs list must name each attached frame")
             for digest, frame in zip(digests, data):
                 protocol.check_digest(digest)
-                if digest not in request.digests:
+                if digest not in wanted:
                     raise protocol.WireError(f"blob {digest[:12]}... is not used by the program")
+                # Counted before hashing, so an oversized upload costs no more work than this.
                 request.bytes_received += len(frame)
                 if request.bytes_received > self.settings.max_request_bytes:
                     self._finish_error(
@@ -329,7 +364,8 @@ class Broker:
                         f"the program's uploads exceed {self.settings.max_request_bytes} bytes",
                     )
                     return False
-                self.blobs.put(digest, frame)
+                # A received frame is never written to again, so a large one is kept as it is.
+                self.blobs.put(digest, frame, adopt=len(frame) >= ADOPT_FRAME_BYTES)
         except BlobDigestMismatch as exc:
             self._finish_error(request, "parse", f"blob digest mismatch: {exc}")
             return False
@@ -338,19 +374,25 @@ class Broker:
             return False
         return True
 
-    def _negotiate(self, request: Request) -> None:
-        missing = self.blobs.missing(request.digests)
+    def _negotiate(self, request: Request, *, progressed: bool) -> None:
+        """Ask the client for the blobs still missing, or queue the program when none are.
+
+        The deadline for the next round restarts only when this round brought blobs.
+        """
+        missing = [digest for digest in request.digests if not self.blobs.has(digest)]
         if missing:
             request.state = "negotiating"
-            if request.timer is not None:
-                request.timer.cancel()
-            request.timer = asyncio.get_running_loop().call_later(
-                NEGOTIATION_TIMEOUT_SECONDS,
-                self._finish_error,
-                request,
-                "timeout",
-                "the client did not send the program's blobs",
-            )
+            if progressed or request.timer is None:
+                if request.timer is not None:
+                    request.timer.cancel()
+                timeout = self.settings.negotiation_timeout_seconds
+                request.timer = asyncio.get_running_loop().call_later(
+                    timeout,
+                    self._finish_error,
+                    request,
+                    "timeout",
+                    f"the client did not send the program's missing blobs within {timeout:g} s",
+                )
             self._send_client(
                 request.client, protocol.PARTIAL, {"request_id": request.id, "state": "need_blobs", "blobs": missing}
             )
@@ -404,6 +446,14 @@ class Broker:
         return self.idle.pop(identity)
 
     def _start(self, request: Request, worker: Worker) -> None:
+        try:
+            sent, frames, paths = self._program_blobs(request)
+        except KeyError:
+            # A disk copy turned out corrupt or unreadable and was dropped: the client sends it again.
+            log.warning("request_blob_lost", request_id=request.id)
+            self.idle[worker.identity] = worker
+            self._negotiate(request, progressed=True)
+            return
         if request.gpu_count:
             load = {g: 0 for g in self.gpu_ids}
             for w in self.workers.values():
@@ -415,17 +465,18 @@ class Broker:
         request.started_at = time.monotonic()
         request.worker = worker
         worker.request_id = request.id
-        frames = [self.blobs.get(d) for d in request.digests]
         body = {
             "request_id": request.id,
             "program": request.program,
             "options": request.options.to_wire(),
             "gpu_ids": list(request.gpu_ids),
-            "blobs": request.digests,
+            "blobs": sent,
+            "blob_paths": paths,
             "max_response_bytes": self.settings.max_response_bytes,
         }
         try:
-            self.backend.send_multipart([worker.identity, *protocol.message(protocol.PROGRAM, body, *frames)], copy=False)
+            message = protocol.message(protocol.PROGRAM, body, *frames)
+            self.backend.send_multipart([worker.identity, *message], copy=False)
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -443,12 +494,38 @@ class Broker:
             worker=worker.identity.decode(),
             gpu=list(request.gpu_ids),
             queue_ms=round((request.started_at - request.queued_at) * 1000, 2),
+            blob_frames=len(frames),
+            blob_paths=len(paths),
         )
         self._send_client(
             request.client,
             protocol.PARTIAL,
             {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)},
         )
+
+    def _program_blobs(self, request: Request) -> tuple[list[str], list[memoryview], dict[str, str]]:
+        """How the worker gets each blob: (digests sent as frames, those frames, digest -> path).
+
+        Large blobs in the disk cache go as paths the worker maps read-only, so their bytes pass
+        through neither the broker's memory nor the socket. Raises KeyError for a lost blob.
+        """
+        sent: list[str] = []
+        frames: list[memoryview] = []
+        paths: dict[str, str] = {}
+        for digest in request.digests:
+            path = None
+            if self.blobs.size_of(digest) >= self.settings.blob_path_min_bytes:
+                path = self.blobs.disk_path(digest)
+            if path is None:
+                sent.append(digest)
+                frames.append(self.blobs.get(digest))
+            elif self.settings.sandbox == "bubblewrap":
+                # Inside the sandbox the cache directory is mounted read-only at /blobs.
+                paths[digest] = str(SANDBOX_BLOBS_DIR / path.name)
+            else:
+                # Absolute: the worker runs in its own working directory.
+                paths[digest] = str(path.absolute())
+        return sent, frames, paths
 
     def _on_timeout(self, request: Request) -> None:
         if self.requests.get(request.id) is not request:
@@ -474,6 +551,9 @@ class Broker:
                 self._handle_worker(frames)
             except Exception:
                 log.exception("worker_message_failed")
+            # Drop this message's frames now, not when the next message arrives: a large upload or
+            # result would otherwise stay in memory for as long as the socket is quiet.
+            del frames
 
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
@@ -533,6 +613,8 @@ class Broker:
 
     def _on_result(self, request: Request, worker: Worker, body: dict[str, Any], data: list[Any]) -> None:
         worker.request_id = None
+        if worker.exited:
+            self.workers.pop(worker.identity, None)
         self.leases.release(request.id)
         info = body.get("worker") if isinstance(body.get("worker"), dict) else {}
         if info.get("reusable") and worker.identity in self.workers:
@@ -540,11 +622,14 @@ class Broker:
         elif info.get("retire_reason"):
             log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
         response_bytes = sum(len(f) for f in data)
-        if response_bytes > self.settings.max_response_bytes:
+        error = body.get("error")
+        # The worker stops at the limit (error kind response_too_large) instead of sending it all.
+        stopped = isinstance(error, dict) and error.get("kind") == "response_too_large"
+        if stopped or response_bytes > self.settings.max_response_bytes:
             self._finish_error(
                 request,
                 "response_too_large",
-                f"the results are {response_bytes} bytes; this broker returns at most {self.settings.max_response_bytes}",
+                f"the results are over {self.settings.max_response_bytes} bytes, the most this broker returns",
             )
             self._dispatch()
             return
@@ -558,22 +643,27 @@ class Broker:
     def _on_worker_exit(self, exit: WorkerExit) -> None:
         identity = exit.worker.encode()
         self.exited[identity] = exit
-        if len(self.exited) > 10_000:
+        if len(self.exited) > MAX_REMEMBERED_EXITS:
             self.exited.pop(next(iter(self.exited)))
-        worker = self.workers.pop(identity, None)
         self.idle.pop(identity, None)
+        worker = self.workers.get(identity)
         if worker is None or worker.request_id is None:
+            self.workers.pop(identity, None)
             return
         request = self.requests.get(worker.request_id)
         if request is None:
+            self.workers.pop(identity, None)
             return
+        # Keep the worker known for a moment: its RESULT may still be queued in the socket.
+        worker.exited = True
         self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
         asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE_SECONDS, self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
+        self.workers.pop(worker.identity, None)
         if self.requests.get(request.id) is not request or request.worker is not worker:
             return
-        index = request.instruction_index
+        index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
         log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
@@ -691,7 +781,7 @@ class Broker:
                 "zygotes": self.supervisor.snapshot(),
             },
             "leases": self.leases.snapshot(),
-            "cache": self.blobs.stats(),
+            "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
             "counters": {"completed": self.completed, "failed": self.failed},
             "sandbox": self.settings.sandbox,
             "target": self.target.to_wire(),
@@ -700,19 +790,32 @@ class Broker:
 
 
 def _declared_bytes(program: dict[str, Any]) -> int:
-    total = 0
+    """The bytes of a program's blobs as its instructions declare them, each digest once.
+
+    Counts tensors wherever they appear (uploads, run arguments, returned literals), so a program
+    over the limit is refused before any of its bytes are sent.
+    """
+    sizes: dict[str, int] = {}
+
+    def visit(obj: Any) -> Any:
+        if isinstance(obj, protocol.TensorSpec) and isinstance(obj.source, str):
+            sizes[obj.source] = obj.nbytes
+        return obj
+
     for ins in program.get("instructions", []):
-        if isinstance(ins, dict):
-            size = ins.get("size")
-            if isinstance(size, int) and size > 0:
-                total += size
-            spec = ins.get("tensor")
-            if isinstance(spec, protocol.TensorSpec):
-                total += spec.nbytes
-            for entry in ins.get("files") or []:
-                if isinstance(entry, list) and len(entry) >= 4 and isinstance(entry[3], int):
-                    total += entry[3]
-    return total
+        if not isinstance(ins, dict):
+            continue
+        size, blob = ins.get("size"), ins.get("blob")
+        if isinstance(blob, str) and isinstance(size, int) and size > 0:
+            sizes[blob] = size
+        for entry in ins.get("files") or []:
+            if isinstance(entry, list) and len(entry) >= 4 and isinstance(entry[1], str):
+                if isinstance(entry[3], int) and entry[3] > 0:
+                    sizes[entry[1]] = entry[3]
+        for key in ("tensor", "args", "value"):
+            if key in ins:
+                protocol.decode_value(ins[key], visit)
+    return sum(sizes.values())
 
 
 def versions() -> dict[str, str]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from typing import Any
 
 import structlog
 
+from kcoral.worker import processes
+
 log = structlog.get_logger("kcoral.supervisor")
 
 RESTART_BACKOFF_FIRST_SECONDS = 0.2
@@ -26,6 +29,8 @@ RESTART_BACKOFF_MAX_SECONDS = 10.0
 HEALTHY_AFTER_SECONDS = 30.0  # a zygote alive this long resets its back-off
 STOP_GRACE_SECONDS = 5.0
 MAX_EVENT_LINE_BYTES = 1 << 16
+ORPHAN_COLLECT_SECONDS = 2.0
+ORPHAN_POLL_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,28 @@ class WorkerExit:
     signal: int | None
     leftovers_killed: int = 0
     zygote_died: bool = False
+    reason: str = ""  # why the zygote killed it (a limit it broke), when it did
+    instruction_index: int | None = None  # what it was executing, as the zygote saw it
 
     def describe(self) -> str:
         if self.zygote_died:
-            return "its zygote died"
-        if self.signal is not None:
-            return f"killed by signal {self.signal}"
-        return f"exit code {self.returncode}"
+            how = "its zygote died"
+        elif self.signal is not None:
+            how = f"killed by signal {self.signal} ({_signal_name(self.signal)})"
+        else:
+            how = f"exit code {self.returncode}"
+        return f"{how}; {self.reason}" if self.reason else how
+
+
+def _optional_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
 
 
 @dataclass
@@ -80,6 +100,9 @@ class Supervisor:
     _stopping: bool = False
 
     async def start(self) -> None:
+        # When a zygote dies, its workers and whatever they started come to us rather than to init
+        # (which, on some hosts, never reaps them): _collect_orphans then kills and reaps them.
+        processes.set_child_subreaper()
         for spec in self.slots:
             self.states[spec.slot] = SlotState(spec)
             self._tasks.append(asyncio.create_task(self._keep_running(spec.slot)))
@@ -100,6 +123,7 @@ class Supervisor:
                 if state.process.returncode is None:
                     state.process.kill()
                     await state.process.wait()
+        await self._collect_orphans()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -137,6 +161,7 @@ class Supervisor:
                 return
             state.restarts += 1
             state.state = "restarting"
+            await self._collect_orphans()
             if time.monotonic() - state.started_at > HEALTHY_AFTER_SECONDS:
                 backoff = RESTART_BACKOFF_FIRST_SECONDS
             log.warning(
@@ -204,8 +229,26 @@ class Supervisor:
                     event.get("returncode"),
                     event.get("signal"),
                     int(event.get("leftovers_killed") or 0),
+                    reason=str(event.get("reason") or ""),
+                    instruction_index=_optional_int(event.get("instruction_index")),
                 )
             )
+
+    async def _collect_orphans(self) -> None:
+        """Kill and reap what a dead zygote left to us (it comes to us as the subreaper)."""
+        deadline = time.monotonic() + ORPHAN_COLLECT_SECONDS
+        while True:
+            zygotes = {s.process.pid for s in self.states.values() if s.process and s.process.returncode is None}
+            found = processes.orphans_from_workers(exclude=zygotes)
+            for info in found:
+                if info.zombie:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(info.pid, os.WNOHANG)
+                else:
+                    processes.kill_all([info.pid, *processes.descendants(info.pid)])
+            if not found or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(ORPHAN_POLL_SECONDS)
 
 
 def zygote_command(

@@ -15,6 +15,7 @@ and the service refuses the program (its digest no longer matches).
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ import numpy as np
 from kcoral import protocol
 
 UPLOAD_KINDS = ("module", "tensor", "bytes", "library")
+# Not id(): a dead Program's address is reused at once, and its references would pass as ours.
+_PROGRAM_SERIALS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Ref:
 
     id: str
     op: str
-    _program: int  # id() of the owning Program, to refuse references across programs
+    _program: int  # serial number of the owning Program, to refuse references across programs
 
     def __repr__(self) -> str:
         return f"Ref({self.id!r})"
@@ -65,6 +68,7 @@ class Program:
         self._ids: set[str] = set()
         self._return_keys: set[str] = set()
         self._blobs: dict[str, memoryview | bytes] = {}
+        self._serial = next(_PROGRAM_SERIALS)
 
     # --- building ---
 
@@ -83,6 +87,8 @@ class Program:
         or ``library`` (a compiled shared library's bytes, loaded with ctypes on the server)."""
         if kind not in UPLOAD_KINDS:
             raise ValueError(f"upload kind must be one of {UPLOAD_KINDS}, got {kind!r}")
+        if kind != "tensor" and (dtype is not None or shape is not None):
+            raise ValueError(f"dtype= and shape= are only for upload(kind='tensor'), not kind={kind!r}")
         if kind == "module":
             if not isinstance(source, str):
                 raise TypeError("upload(kind='module') needs source= as a str of Python code")
@@ -94,6 +100,8 @@ class Program:
             else:
                 fields = {"blob": self._add_blob(encoded), "size": len(encoded)}
         elif kind == "tensor":
+            if source is not None:
+                raise ValueError("upload(kind='tensor') takes value=, not source=")
             fields = {"tensor": self._tensor_spec(value, dtype, shape)}
         else:
             if source is not None:
@@ -285,7 +293,7 @@ class Program:
 
 
 def id_of(program: Program) -> int:
-    return id(program)
+    return program._serial
 
 
 def _as_bytes(value: Any, what: str) -> bytes | memoryview:

@@ -7,10 +7,16 @@ no capabilities, and a root filesystem assembled from scratch:
   ``sys.prefix``, ``sys.base_prefix``, site-packages, the ``kcoral`` package);
 * the slot's private workspace, writable, at ``/workspace`` (``HOME``, ``TMPDIR`` and the
   caches of torch, Triton and CUDA live under it);
-* the broker's ipc socket directory, writable, at its host path (zmq ``ipc://`` paths must match);
+* the broker's ipc socket directory, read-only, at its host path (zmq ``ipc://`` paths must match;
+  connecting to a socket needs no write access to its directory, and a read-only one keeps a
+  program from deleting or replacing the broker's socket);
 * the broker's blob cache, read-only, at ``/blobs``;
 * only the slot's ``/dev/nvidiaN`` and the NVIDIA control nodes;
-* an empty read-only ``/tmp`` and a private, size-bounded ``/dev/shm``.
+* an empty read-only ``/tmp``;
+* a private, size-bounded shared-memory tmpfs mounted at ``/workspace/.shm``, which ``/dev/shm``
+  links to: whatever wipes the workspace between programs (the zygote does, before every fork)
+  empties it too, so no POSIX shared memory or semaphore survives into the next program. Being a
+  mount point, the directory itself stays when the wipe removes its contents.
 
 Everything else on the host (``/root``, ``/work``, ``/tmp``, other slots' workspaces, the rest of
 the broker's run directory) is absent, not merely read-only.
@@ -49,6 +55,7 @@ __all__ = [
 
 WORKSPACE: Final = Path("/workspace")
 BLOBS: Final = Path("/blobs")
+SHARED_MEMORY: Final = WORKSPACE / ".shm"
 
 # Fixed environment inside; every writable location points into the slot's workspace.
 SANDBOX_ENV: Final[Mapping[str, str]] = {
@@ -60,8 +67,9 @@ SANDBOX_ENV: Final[Mapping[str, str]] = {
     "CUDA_CACHE_PATH": "/workspace/cache/nv",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
-# Variables taken from the caller's environment when present.
-INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH")
+# Variables taken from the caller's environment when present. KCORAL_EAGER_CUDA is the zygote's
+# own switch (see kcoral.worker.zygote), set by the operator on the broker's environment.
+INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH", "KCORAL_EAGER_CUDA")
 DEFAULT_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 
 # Directories of the runtime bound read-only when they exist. Top-level symlinks among them
@@ -108,9 +116,10 @@ class SandboxSpec:
     """What one worker's sandbox contains.
 
     ``workspace`` is the slot's private writable directory on the host, seen at ``/workspace``;
-    ``ipc_dir`` holds the broker's ``ipc://`` socket and is bound read-write at the same path;
+    ``ipc_dir`` holds the broker's ``ipc://`` socket and is bound read-only at the same path;
     ``blob_dir`` is the broker's disk blob cache, bound read-only at ``/blobs``. ``shm_bytes``
-    bounds the private ``/dev/shm`` (POSIX semaphores, torch shared memory); 0 leaves it read-only.
+    bounds the private shared memory behind ``/dev/shm`` (POSIX semaphores, torch shared memory);
+    0 leaves ``/dev/shm`` an empty read-only directory.
     """
 
     workspace: Path
@@ -204,7 +213,8 @@ def sandbox_argv(
     for node in _device_nodes(spec.gpu_indices):
         argv += ["--dev-bind", node, node]
     if spec.shm_bytes > 0:
-        argv += ["--size", str(spec.shm_bytes), "--tmpfs", "/dev/shm"]
+        # --dev made /dev/shm a directory; a link to the tmpfs in the workspace replaces it.
+        argv += ["--remount-ro", "/dev/shm", "--symlink", str(SHARED_MEMORY), "/dev/shm"]
     argv += ["--remount-ro", "/dev"]
     # An empty read-only /tmp for programs that hard-code it; TMPDIR points into the workspace.
     argv += ["--dir", "/tmp"]
@@ -220,8 +230,10 @@ def sandbox_argv(
     argv += ["--bind", str(_real(spec.workspace)), str(WORKSPACE)]
     for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
         argv += ["--dir", SANDBOX_ENV[var]]
+    if spec.shm_bytes > 0:
+        argv += ["--size", str(spec.shm_bytes), "--tmpfs", str(SHARED_MEMORY)]
     ipc_dir = Path(os.path.abspath(spec.ipc_dir))
-    argv += ["--bind", str(_real(ipc_dir)), str(ipc_dir)]
+    argv += ["--ro-bind", str(_real(ipc_dir)), str(ipc_dir)]
     if spec.blob_dir is not None:
         argv += ["--ro-bind", str(_real(spec.blob_dir)), str(BLOBS)]
 

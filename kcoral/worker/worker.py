@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import mmap
 import os
 import shutil
 import stat
@@ -26,7 +27,9 @@ import zmq
 
 from kcoral import protocol
 from kcoral.errors import ExecutionError
+from kcoral.worker import processes
 from kcoral.worker.capture import OutputCapture
+from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
 OPS = ("upload", "upload_file", "upload_folder", "get_function", "run", "return", "return_file", "return_folder")
 CUDA_POISON_MARKERS = (
@@ -115,6 +118,7 @@ class ExecutionOutcome:
     frames: list[Any]
     retire: bool = False
     retire_reason: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)  # merged into the result's "worker" map
 
 
 @dataclass
@@ -361,9 +365,11 @@ class Interpreter:
     def _add_frame(self, data: memoryview | bytes) -> int:
         self.response_bytes += len(data)
         if self.response_bytes > self.max_response_bytes:
+            # Not an instruction error kind: the broker answers the request with the request error
+            # response_too_large, since results this large cannot come back at all.
             raise InstructionFailure(
-                "serialization",
-                f"the results are over the response limit of {self.max_response_bytes} bytes",
+                "response_too_large",
+                f"the results are over {self.max_response_bytes} bytes, the most this service returns",
             )
         self.frames.append(data)
         return len(self.frames) - 1
@@ -532,6 +538,18 @@ def _gpu_access_guard() -> Any:
 # --- one execution ------------------------------------------------------------------------------
 
 
+def _program_error(kind: str, message: str) -> dict[str, Any]:
+    """The error of a program that failed before any of its instructions ran."""
+    return {
+        "kind": kind,
+        "message": message,
+        "instruction_index": None,
+        "instruction_op": None,
+        "instruction_id": None,
+        "traceback": "",
+    }
+
+
 def execute_program(
     request: dict[str, Any],
     blobs: dict[str, memoryview],
@@ -545,9 +563,7 @@ def execute_program(
     gpu_ids = [int(g) for g in request.get("gpu_ids", [])]
     output_limit = int(options.get("output_limit_bytes", protocol.DEFAULT_OUTPUT_LIMIT_BYTES))
     run_dir = workspace / f"run-{request_id}"
-    saved_env = dict(os.environ)
-    saved_cwd = os.getcwd()
-    saved_path = list(sys.path)
+    saved = ProcessState.capture()
     interpreter = Interpreter(request, blobs, run_dir, LeaseChannel(socket, request_id, gpu_ids), progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
     capture = OutputCapture(run_dir / "output", output_limit)
@@ -566,8 +582,11 @@ def execute_program(
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         os.chdir(run_dir / "work")
         sys.path.insert(0, str(run_dir / "work"))
+        refusal = cuda_view_mismatch(gpu_ids)
         with capture:
-            error = interpreter.execute()
+            error = interpreter.execute() if refusal is None else _program_error("unavailable", refusal)
+        # Before reading the output: what the program left running may still be writing to it.
+        leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
         output = capture.read()
         elapsed_ms = (time.monotonic() - start) * 1000
         leftover = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]
@@ -586,24 +605,37 @@ def execute_program(
             "lease_held_ms": interpreter.lease.times.held_ms,
             "gpu_ids": gpu_ids,
         }
-        reason = interpreter.retire_reason
+        reason = refusal or interpreter.retire_reason
+        retire = retire or refusal is not None
+        # A program that returns but leaves work running is reported in the result's "worker" map
+        # (its output stays exactly what the program wrote); the worker is not used again.
+        notes: dict[str, Any] = {}
         if leftover:
+            notes["leftover_threads"] = leftover
             retire, reason = True, f"the program left threads running: {', '.join(leftover[:5])}"
+        if leftover_processes:
+            notes["leftover_processes"] = leftover_processes
+            retire = True
+            reason = f"the program left {len(leftover_processes)} process(es) running, now killed: " + ", ".join(
+                leftover_processes[:5]
+            )
+        if error is not None:
+            hint = processes.explain_limit_error(str(error.get("message")), processes.current_limits())
+            if hint is not None:
+                error["message"] = f"{error['message']} ({hint})"
         if error is not None and error.get("instruction_index") is None:
             error["instruction_index"] = None
-        return ExecutionOutcome(body, interpreter.frames, retire, reason)
+        return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
-        os.chdir(saved_cwd)
-        sys.path[:] = saved_path
-        os.environ.clear()
-        os.environ.update(saved_env)
-        for name in interpreter.modules:
-            sys.modules.pop(name, None)
+        saved.restore(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def run_worker(settings: WorkerSettings) -> int:
     """The worker's main loop; returns the process exit code."""
+    started_at = time.time()
+    if os.environ.get("KCORAL_EAGER_CUDA") == "1":
+        _create_cuda_context()
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
@@ -612,12 +644,13 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.send_multipart(
         protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
     )
+    ready_at = time.time()
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
     try:
         while True:
-            if not poller.poll(BROKER_SILENCE_SECONDS * 1000):
+            if not poller.poll(int(BROKER_SILENCE_SECONDS * 1000)):
                 return 0
             raw = socket.recv_multipart(copy=False)
             try:
@@ -629,6 +662,7 @@ def run_worker(settings: WorkerSettings) -> int:
             if command != protocol.PROGRAM:
                 continue
             outcome = _execute_message(body, data, settings, socket)
+            processes.note_progress(None)
             reusable = not outcome.retire and (settings.max_programs == 0 or done + 1 < settings.max_programs)
             outcome.body["worker"] = {
                 "identity": settings.identity,
@@ -636,6 +670,11 @@ def run_worker(settings: WorkerSettings) -> int:
                 "slot": settings.slot,
                 "reusable": reusable,
                 "retire_reason": outcome.retire_reason,
+                # Wall-clock times, for measuring how fast a slot gets a fresh worker.
+                "started_at": started_at,
+                "ready_at": ready_at,
+                "finished_at": time.time(),
+                **outcome.notes,
             }
             socket.send_multipart(protocol.message(protocol.RESULT, outcome.body, *outcome.frames), copy=False)
             done += 1
@@ -644,6 +683,33 @@ def run_worker(settings: WorkerSettings) -> int:
     finally:
         socket.close()
         context.term()
+
+
+def _create_cuda_context() -> None:
+    """Create the CUDA context while idle, so that the first program does not wait for it.
+
+    The zygote asks for this (``KCORAL_EAGER_CUDA=1``) only on slots with a real GPU. A failure
+    here is not fatal: the program then meets the same error, with its own traceback.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        torch.zeros(1, device="cuda")
+    except Exception as exc:
+        print(f"kcoral worker: no CUDA context while idle: {_describe(exc)}", file=sys.stderr, flush=True)
+
+
+def _map_blob(path: Path) -> memoryview:
+    """A large blob from the broker's disk cache, mapped read-only rather than read: its pages are
+    shared with the page cache, and the interpreter copies only what a program is given to own.
+
+    The broker keeps the file pinned while the program runs; the mapping survives its removal.
+    """
+    with path.open("rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:
+            return memoryview(b"")  # mmap refuses empty files
+        return memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _execute_message(
@@ -655,13 +721,24 @@ def _execute_message(
         if not isinstance(digests, list) or len(digests) != len(data):
             raise protocol.WireError("PROGRAM blob list does not match its frames")
         blobs = {protocol.check_digest(d): memoryview(f) for d, f in zip(digests, data)}
-        for digest, path in (body.get("blob_paths") or {}).items():
-            blobs[protocol.check_digest(digest)] = memoryview(Path(path).read_bytes())
+        paths = body.get("blob_paths") or {}
+        if not isinstance(paths, dict):
+            raise protocol.WireError("PROGRAM blob_paths must be a map")
+        for digest, path in paths.items():
+            if not isinstance(path, str):
+                raise protocol.WireError("PROGRAM blob_paths values must be paths")
+            blobs[protocol.check_digest(digest)] = _map_blob(Path(path))
 
         def progress(index: int) -> None:
+            processes.note_progress(index)  # survives the worker, unlike a message still queued
             socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
 
-        return execute_program(body, blobs, settings.workspace, socket, progress)
+        outcome = execute_program(body, blobs, settings.workspace, socket, progress)
+        error = outcome.body.get("error")
+        if isinstance(error, dict) and error.get("kind") == "response_too_large":
+            # The broker refuses the whole response: do not send it the part that fitted.
+            outcome.body["results"], outcome.frames = {}, []
+        return outcome
     except (protocol.WireError, OSError, ValueError, TypeError) as exc:
         error = {
             "kind": "parse",

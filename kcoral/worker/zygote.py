@@ -5,19 +5,25 @@ costs milliseconds. The zygote never initialises CUDA, opens no zmq context and 
 so each forked worker begins clean and makes its own.
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
-commands on stdin (``{"cmd": "kill", "worker": ID}``, ``{"cmd": "stop"}``), events on stdout
-(``ready``, ``forked``, ``exited``). It is a child subreaper, so whatever a worker leaves behind
-(double-forked or ``setsid`` daemons included) is re-parented to it and killed when the worker ends.
+commands on stdin (``{"cmd": "kill"}``: kill the current worker and all it started;
+``{"cmd": "stop"}``), events on stdout (``ready``, ``forked``, ``exited``). An ``exited`` event
+carries the worker's ``returncode`` or ``signal``, ``leftovers_killed`` (processes still alive when
+it ended) and ``reason`` (why the zygote killed it: a broken limit, or the broker's request).
+
+Nothing a worker starts outlives it: the zygote is a child subreaper, so whatever a worker leaves
+behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, found by a walk
+of its descendants and killed, before the next worker is forked. While a worker runs, a watchdog
+samples its whole process tree and kills it when the tree passes the process or memory limit
+(see :mod:`kcoral.worker.processes` for why those two are not rlimits alone).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import gc
 import importlib
 import json
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -28,20 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-KILL_SCAN_ROUNDS = 200
-KILL_SCAN_PAUSE_SECONDS = 0.005
-EXIT_WORKER_CRASHED = 70
-FAST_EXIT_SECONDS = 1.0  # a worker that dies faster than this, repeatedly, slows the forking down
-MAX_FORK_BACKOFF_SECONDS = 5.0
+from kcoral.worker import processes
+from kcoral.worker.state import reseed_generators
 
-RLIMITS = {
-    "address_space_bytes": resource.RLIMIT_AS,
-    "processes": resource.RLIMIT_NPROC,
-    "file_size_bytes": resource.RLIMIT_FSIZE,
-    "open_files": resource.RLIMIT_NOFILE,
-}
+EXIT_WORKER_CRASHED = 70
+FAST_EXIT_SECONDS = 1.0
+CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
+CRASH_BACKOFF_FIRST_SECONDS = 0.1
+MAX_FORK_BACKOFF_SECONDS = 5.0
+WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples a worker's tree
+EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
+NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
 
 
 @dataclass
@@ -53,10 +56,11 @@ class ZygoteSettings:
     max_programs: int = 1
     preload: tuple[str, ...] = ("numpy", "torch")
     limits: dict[str, int] = field(default_factory=dict)
+    eager_cuda: bool = False  # workers create their CUDA context before READY (real GPUs only)
 
-
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
+    @property
+    def watched(self) -> bool:
+        return bool(self.limits.get("processes") or self.limits.get("memory_bytes"))
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -75,80 +79,34 @@ def wipe(directory: Path) -> None:
                 pass
 
 
-def process_table() -> list[tuple[int, int, int, int]]:
-    """(pid, ppid, process group, session) of every visible process."""
-    rows = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as handle:
-                raw = handle.read().decode(errors="replace")
-        except OSError:
-            continue
-        # The command name is in parentheses and may itself hold spaces or parentheses.
-        fields = raw[raw.rfind(")") + 2 :].split()
-        if len(fields) < 4:
-            continue
-        rows.append((int(name), int(fields[1]), int(fields[2]), int(fields[3])))
-    return rows
-
-
-def kill_leftovers(worker_pid: int) -> int:
-    """Kill every process of the worker's session or group, and every orphan re-parented to us."""
-    me = os.getpid()
-    killed = 0
-    for _ in range(KILL_SCAN_ROUNDS):
-        victims = [
-            pid
-            for pid, ppid, pgrp, session in process_table()
-            if pid != me and (ppid == me or pgrp == worker_pid or session == worker_pid)
-        ]
-        reap_all()
-        if not victims:
-            return killed
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
-        time.sleep(KILL_SCAN_PAUSE_SECONDS)
-        reap_all()
-    return killed
-
-
-def reap_all() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def apply_limits(limits: dict[str, int]) -> None:
-    for name, value in limits.items():
-        if value and name in RLIMITS:
-            resource.setrlimit(RLIMITS[name], (value, value))
-
-
-def become_worker(settings: ZygoteSettings, identity: str) -> None:
+def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int) -> None:
     """In the forked child: set the process up and run the worker loop; never returns."""
     code = EXIT_WORKER_CRASHED
     try:
         os.setsid()  # its own session and group: one killpg reaches what it starts
-        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        processes.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
+            os._exit(code)
+        processes.set_process_name("kcoral-worker")
+        processes.set_child_subreaper()  # a program's orphans come back to the worker, to be found
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
+        # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
+        # with EFBIG, which the program's result reports, instead of killing the worker.
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         os.dup2(2, 1)  # stray output before capture goes to the log, never into the event pipe
         if settings.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
-        apply_limits(settings.limits)
+        if settings.eager_cuda:
+            os.environ[EAGER_CUDA_ENV] = "1"
+        else:
+            os.environ.pop(EAGER_CUDA_ENV, None)
+        # Fresh seeds: a forked worker would otherwise draw the same "random" numbers as every
+        # other worker of its slot, all having inherited the zygote's generator states.
+        reseed_generators()
+        processes.apply_rlimits(settings.limits)
         from kcoral.worker.worker import WorkerSettings, run_worker
 
         code = run_worker(
@@ -167,6 +125,13 @@ def become_worker(settings: ZygoteSettings, identity: str) -> None:
         os._exit(code)
 
 
+@dataclass
+class WorkerEnd:
+    status: int | None
+    reason: str = ""  # why we killed it, when we did
+    requested: bool = False  # the broker asked for the kill
+
+
 class Zygote:
     """Forks workers for one slot, one at a time, and reports their exits."""
 
@@ -174,8 +139,11 @@ class Zygote:
         self.settings = settings
         self.generation = 0
         self.stopping = False
+        self.worker_pid: int | None = None
         self.selector = selectors.DefaultSelector()
         self.pending_input = b""
+        self.kill_reason = ""
+        self.kill_requested = False
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -184,35 +152,58 @@ class Zygote:
             except ImportError:
                 pass  # torch is optional on CPU-only hosts
         importlib.import_module("kcoral.worker.worker")
-        _libc().prctl(PR_SET_CHILD_SUBREAPER, 1)
-        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        # Move everything imported so far out of the collector's sight: a worker's garbage
+        # collections then leave these pages alone, and they stay shared with the zygote.
+        gc.collect()
+        gc.freeze()
+        processes.set_process_name("kcoral-zygote")
+        processes.BOARD = processes.ProgressBoard()
+        processes.set_child_subreaper()
+        # SIGTERM, not SIGKILL, when the broker dies: we first take the worker's tree with us.
+        processes.set_parent_death_signal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_terminate)
         self.selector.register(0, selectors.EVENT_READ, "commands")
-        emit("ready", pid=os.getpid(), slot=self.settings.slot)
-        fast_exits = 0
+        emit("ready", pid=os.getpid(), slot=self.settings.slot, eager_cuda=self.settings.eager_cuda)
+        crashes = 0
         while not self.stopping:
             wipe(self.settings.workspace)
             started = time.monotonic()
-            self.run_one_worker()
-            if time.monotonic() - started < FAST_EXIT_SECONDS:
-                fast_exits += 1
-                time.sleep(min(MAX_FORK_BACKOFF_SECONDS, 0.05 * 2 ** min(fast_exits, 8)) if fast_exits > 3 else 0)
-            else:
-                fast_exits = 0
+            end = self.run_one_worker()
+            crashed = (
+                end.status is not None
+                and os.waitstatus_to_exitcode(end.status) != 0
+                and not end.requested
+                and not end.reason
+                and time.monotonic() - started < FAST_EXIT_SECONDS
+            )
+            # Only workers that die fast, unasked and unexplained (a broken install, a crash at
+            # start-up) count: programs end workers all the time, and that must not slow us.
+            crashes = crashes + 1 if crashed else 0
+            if crashes > CRASH_LOOP_AFTER:
+                time.sleep(
+                    min(MAX_FORK_BACKOFF_SECONDS, CRASH_BACKOFF_FIRST_SECONDS * 2 ** (crashes - CRASH_LOOP_AFTER))
+                )
         wipe(self.settings.workspace)
         return 0
 
-    def run_one_worker(self) -> None:
+    def run_one_worker(self) -> WorkerEnd:
         self.generation += 1
         identity = f"w{self.settings.slot}-{os.getpid()}-{self.generation}"
+        self.kill_reason = ""
+        self.kill_requested = False
         sys.stdout.flush()
         sys.stderr.flush()
+        zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity)
+            become_worker(self.settings, identity, zygote_pid)
+        self.worker_pid = pid
+        if processes.BOARD is not None:
+            processes.BOARD.note(None)
         emit("forked", worker=identity, pid=pid)
         status = self.wait_for(pid)
-        killed = kill_leftovers(pid)
+        self.worker_pid = None
+        leftovers = processes.kill_descendants(os.getpid())
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
             "exited",
@@ -220,8 +211,11 @@ class Zygote:
             pid=pid,
             returncode=returncode if returncode is None or returncode >= 0 else None,
             signal=-returncode if returncode is not None and returncode < 0 else None,
-            leftovers_killed=killed,
+            leftovers_killed=len(leftovers),
+            reason=self.kill_reason,
+            instruction_index=processes.BOARD.read() if processes.BOARD is not None else None,
         )
+        return WorkerEnd(status, self.kill_reason, self.kill_requested)
 
     def wait_for(self, pid: int) -> int | None:
         pidfd = None
@@ -230,25 +224,48 @@ class Zygote:
             self.selector.register(pidfd, selectors.EVENT_READ, "worker")
         except (AttributeError, OSError):
             pidfd = None
+        watched = self.settings.watched
+        timeout = WATCH_INTERVAL_SECONDS if watched or pidfd is None else None
         try:
             while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    return None
                 if done:
                     return status
-                for key, _ in self.selector.select(timeout=None if pidfd is not None else 0.01):
+                for key, _ in self.selector.select(timeout=timeout):
                     if key.data == "commands":
-                        self.read_commands(pid)
+                        self.read_commands()
+                if watched and not self.kill_reason:
+                    self.watch()
         finally:
             if pidfd is not None:
                 self.selector.unregister(pidfd)
                 os.close(pidfd)
 
-    def read_commands(self, pid: int) -> None:
+    def watch(self) -> None:
+        """One watchdog sample of the worker's tree: kill it all if it breaks a limit."""
+        tree = processes.descendants(os.getpid())
+        breach = processes.limit_breach(tree, self.settings.limits)
+        if breach is not None:
+            self.kill_worker(f"the zygote killed it: {breach}")
+
+    def kill_worker(self, reason: str) -> None:
+        """Kill the worker and everything below us now; the worker itself is reaped by wait_for."""
+        if not self.kill_reason:
+            self.kill_reason = reason
+        if self.worker_pid is not None:
+            _kill_group(self.worker_pid)
+        # No reaping here: wait_for must collect the worker's own exit status.
+        processes.kill_all(processes.descendants(os.getpid()))
+
+    def read_commands(self) -> None:
         chunk = os.read(0, 65536)
         if not chunk:  # the broker is gone: stop, taking the worker with us
             self.stopping = True
             self.selector.unregister(0)
-            _kill_group(pid)
+            self.kill_worker("the broker went away")
             return
         self.pending_input += chunk
         while b"\n" in self.pending_input:
@@ -258,10 +275,17 @@ class Zygote:
             except ValueError:
                 continue
             if command.get("cmd") == "kill":
-                _kill_group(pid)
+                self.kill_requested = True
+                self.kill_worker("")
             elif command.get("cmd") == "stop":
                 self.stopping = True
-                _kill_group(pid)
+                self.kill_requested = True
+                self.kill_worker("")
+
+    def _on_terminate(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+        self.kill_requested = True
+        self.kill_worker("")
 
 
 def _kill_group(pid: int) -> None:
@@ -270,6 +294,16 @@ def _kill_group(pid: int) -> None:
             target()
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def eager_cuda_wanted(gpu: int | None, environ: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether this slot's workers should create their CUDA context while idle.
+
+    Only for a slot with a real GPU, and only when ``KCORAL_EAGER_CUDA=1`` is in the zygote's
+    environment: a worker with a context can run programs on its own GPU alone (see
+    ``kcoral.worker.worker``), so hosts that serve programs on several GPUs leave it off.
+    """
+    return gpu is not None and environ.get(EAGER_CUDA_ENV) == "1" and NVIDIA_CONTROL_DEVICE.exists()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", default="numpy,torch")
     parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
     args = parser.parse_args(argv)
+    limits = {str(k): int(v) for k, v in json.loads(args.limits).items()}
+    if "address_space_bytes" in limits:  # the name older brokers send
+        limits.setdefault("memory_bytes", limits.pop("address_space_bytes"))
     settings = ZygoteSettings(
         connect=args.connect,
         slot=args.slot,
@@ -289,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         workspace=args.workspace,
         max_programs=args.max_programs,
         preload=tuple(p for p in args.preload.split(",") if p),
-        limits={str(k): int(v) for k, v in json.loads(args.limits).items()},
+        limits=limits,
+        eager_cuda=eager_cuda_wanted(args.gpu, os.environ),
     )
     return Zygote(settings).serve()
 

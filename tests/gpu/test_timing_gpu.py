@@ -10,6 +10,7 @@ import itertools
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,12 @@ def test_add_of_16m_floats_is_timed_by_cupti(add_operands: tuple[Any, Any, Any])
     assert result["warmup"] >= 1 and result["repeat"] >= 1
     assert result["samples"] == result["repeat"]
     assert isinstance(result["gpu"], str) and result["gpu"]
+    # The launch hold ran, was long enough, and the way of measuring behind the median is reported.
+    assert result["launch_hold_us"] > 0
+    assert result["launch_late_calls"] == 0
+    by = result["latency_ms_median_by"]
+    assert by["ready_span"] == result["latency_ms_median"]
+    assert by["span"] <= by["ready_span"] and by["busy"] <= by["span"] + 1e-9
     if result["sm_clock_mhz_after"] is not None:
         assert result["sm_clock_mhz_after"] > 0
         assert isinstance(result["throttle_reasons_after"], list)
@@ -95,6 +102,25 @@ def test_side_stream_work_is_counted() -> None:
     assert both["latency_ms_median"] >= 0.9 * alone["latency_ms_median"], (alone, both)
     # The current-stream add and the side-stream matmul at least (cuBLAS may add a workspace memset).
     assert both["activities_per_call"] >= 2
+
+
+@needs_cupti
+def test_launch_hold_keeps_host_gaps_out_of_the_time() -> None:
+    data = torch.zeros(1024, device="cuda")
+
+    def two_kernels_with_host_work_between() -> None:
+        data.add_(1.0)
+        time.sleep(200e-6)  # host work between two launches: the GPU waits for it without a hold
+        data.add_(1.0)
+
+    held = benchmark(two_kernels_with_host_work_between, config={"repeat": 30})
+    unheld = benchmark(two_kernels_with_host_work_between, config={"repeat": 30, "launch_hold": False})
+    assert held["launch_hold_us"] > 200, held
+    assert held["launch_late_calls"] == 0, held
+    assert held["latency_ms_median"] < 0.1, held  # two tiny kernels, back to back
+    assert unheld["launch_hold_us"] == 0.0
+    assert unheld["latency_ms_median"] > 0.19, unheld  # the host's 200 us between them
+    assert held["activities_per_call"] == unheld["activities_per_call"] == 2
 
 
 def test_cuda_event_method(add_operands: tuple[Any, Any, Any]) -> None:

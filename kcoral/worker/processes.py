@@ -1,0 +1,410 @@
+"""A worker's processes: finding them, measuring them, limiting them and killing all of them.
+
+Shared by the zygote (which kills what a worker leaves behind and watches the limits while it runs)
+and the worker (which reports the processes a program left running when it returned).
+
+Finding every process a program started, including those that called ``setsid()`` or
+double-forked, relies on ``PR_SET_CHILD_SUBREAPER``: the zygote and the worker both set it, so an
+orphan is re-parented to them rather than to init, and a walk down the ``children`` lists from the
+zygote reaches everything. (Init does not reap orphans on every host: a process that escapes
+becomes a zombie for good.)
+
+Resource limits. ``RLIMIT_FSIZE`` and ``RLIMIT_NOFILE`` are plain per-process rlimits. Memory is
+``RLIMIT_DATA`` (private writable memory: heap and anonymous mappings) rather than ``RLIMIT_AS``,
+because CUDA reserves far more address space than it uses and fails to start under ``RLIMIT_AS``.
+On an H200 host a CUDA context, a 20 GiB device allocation, 1 GiB of pinned host memory and a
+cuBLAS matmul all work under a 4 GiB ``RLIMIT_DATA`` (a process with a CUDA context counts about
+1.4 GiB of data, so the limit must be well above that on GPU hosts). The kernel enforces it at once,
+so a memory bomb gets a ``MemoryError`` that the program's result reports. As every
+process has its own rlimit, the zygote also sums the resident anonymous memory of the whole tree and
+kills it when the sum passes the limit. Processes are counted by the same watchdog, not with
+``RLIMIT_NPROC``: the kernel does not enforce that for root, and for other users it counts every
+thread of every process of the user, the broker's included.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+import signal
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+KILL_PAUSE_SECONDS = 0.002  # between kill rounds: let the dying be re-parented to us
+KILL_GIVE_UP_SECONDS = 10.0  # a process stuck in the kernel (state D) is left for later rounds
+
+# The broker flags behind each limit, named in the messages users see.
+LIMIT_FLAGS = {
+    "memory_bytes": "--memory-limit",
+    "processes": "--max-processes",
+    "file_size_bytes": "--max-file-bytes",
+    "open_files": "--max-open-files",
+}
+# Per-process rlimits; memory and processes are also watched over the whole tree.
+RLIMITS = {
+    "memory_bytes": resource.RLIMIT_DATA,
+    "file_size_bytes": resource.RLIMIT_FSIZE,
+    "open_files": resource.RLIMIT_NOFILE,
+}
+# Error texts that mean an rlimit was hit, and which one.
+LIMIT_ERROR_MARKERS = {
+    "memory_bytes": ("memoryerror", "cannot allocate memory", "can't allocate memory", "bad_alloc", "errno 12"),
+    "file_size_bytes": ("file too large", "errno 27"),
+    "open_files": ("too many open files", "errno 24"),
+}
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def set_child_subreaper() -> None:
+    """Orphans among our descendants are re-parented to this process, where we can find them."""
+    _libc().prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Receive ``sig`` when the parent (thread) that started this process ends."""
+    _libc().prctl(PR_SET_PDEATHSIG, sig)
+
+
+# --- the process table --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    ppid: int
+    pgrp: int
+    session: int
+    state: str
+    name: str
+
+    @property
+    def zombie(self) -> bool:
+        return self.state in ("Z", "X")
+
+    def describe(self) -> str:
+        return f"{self.pid} ({self.name})"
+
+
+def read_process(pid: int) -> ProcessInfo | None:
+    """One process's line of the table, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            raw = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself hold spaces or parentheses.
+    close = raw.rfind(")")
+    fields = raw[close + 2 :].split()
+    if len(fields) < 4:
+        return None
+    name = raw[raw.find("(") + 1 : close]
+    return ProcessInfo(pid, int(fields[1]), int(fields[2]), int(fields[3]), fields[0], name)
+
+
+def process_table() -> list[ProcessInfo]:
+    """Every process this one can see."""
+    rows = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = read_process(int(name))
+            if info is not None:
+                rows.append(info)
+    return rows
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (of all its threads: a thread's children are listed apart)."""
+    found: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as handle:
+                found.extend(int(p) for p in handle.read().split())
+        except OSError:
+            continue
+    return found
+
+
+_HAS_CHILDREN_LISTS = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root``, parents before their children."""
+    if not _HAS_CHILDREN_LISTS:  # kernels without CONFIG_PROC_CHILDREN: build it from the table
+        by_parent: dict[int, list[int]] = {}
+        for info in process_table():
+            by_parent.setdefault(info.ppid, []).append(info.pid)
+        lookup = by_parent.get
+    else:
+        lookup = None
+    found: list[int] = []
+    seen = {root}
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        for child in lookup(pid, []) if lookup is not None else children(pid):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                frontier.append(child)
+    return found
+
+
+def orphans_from_workers(exclude: set[int]) -> list[ProcessInfo]:
+    """Our children in another session than ours, other than ``exclude``: for the broker.
+
+    Every worker calls ``setsid()``, so what its tree leaves to the broker (the broker is their
+    subreaper once their zygote has died) runs in a session of its own, while the zygotes and
+    anything else the broker starts share the broker's session.
+    """
+    me = os.getpid()
+    session = os.getsid(0)
+    found = []
+    for pid in children(me):
+        info = read_process(pid)
+        if info is not None and pid not in exclude and info.ppid == me and info.session != session:
+            found.append(info)
+    return found
+
+
+def reap_children() -> list[tuple[int, int]]:
+    """Collect every child that has ended; (pid, wait status) of each."""
+    reaped: list[tuple[int, int]] = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped.append((pid, status))
+
+
+def kill_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_descendants(root: int, *, reap: bool = True) -> list[ProcessInfo]:
+    """Kill every process below ``root`` until none is left; return those that were alive.
+
+    ``root`` must be this process (or one whose orphans come to us as subreaper): a process killed
+    mid-tree re-parents its children to us, and the next round finds them. With ``reap`` we also
+    collect the exit statuses of our children, so none stays a zombie.
+    """
+    killed: dict[int, ProcessInfo] = {}
+    deadline = time.monotonic() + KILL_GIVE_UP_SECONDS
+    while True:
+        if reap:
+            reap_children()
+        alive = []
+        remaining = False
+        for pid in descendants(root):
+            info = read_process(pid)
+            if info is None:
+                continue
+            remaining = True
+            if not info.zombie:
+                alive.append(pid)
+                killed.setdefault(pid, info)
+        if not remaining or (not reap and not alive) or time.monotonic() > deadline:
+            return list(killed.values())
+        kill_all(alive)
+        time.sleep(KILL_PAUSE_SECONDS)
+
+
+# --- what a worker was doing when it died ----------------------------------------------------------
+
+
+class ProgressBoard:
+    """Eight bytes shared by the zygote and its workers: the index of the instruction running now.
+
+    A worker also reports its progress to the broker over zmq, but a worker that dies at once
+    (``os._exit``, a signal) takes its unsent messages with it; this anonymous shared mapping,
+    made by the zygote before it forks, survives the worker, so the zygote can say in its
+    ``exited`` event which instruction the worker was executing.
+    """
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, 8)  # MAP_SHARED | MAP_ANONYMOUS: the forked worker writes here
+        self.note(None)
+
+    def note(self, index: int | None) -> None:
+        self._map[:8] = struct.pack("<q", -1 if index is None else index)
+
+    def read(self) -> int | None:
+        (index,) = struct.unpack("<q", self._map[:8])
+        return None if index < 0 else int(index)
+
+
+BOARD: ProgressBoard | None = None  # made by the zygote; a forked worker inherits it
+
+
+def note_progress(index: int | None) -> None:
+    """In a worker: record the instruction that starts now (None: between programs)."""
+    if BOARD is not None:
+        BOARD.note(index)
+
+
+# --- usage and limits ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    processes: int
+    resident_bytes: int  # every resident page of each process, shared ones counted again each time
+
+
+def tree_usage(pids: Iterable[int]) -> TreeUsage:
+    """How many of ``pids`` are alive and their resident memory: cheap (one small read each)."""
+    count = 0
+    pages = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as handle:
+                fields = handle.read().split()
+        except OSError:
+            continue
+        if len(fields) < 2 or fields[0] == b"0":
+            continue  # a zombie (or a kernel thread) has no memory and counts for nothing
+        count += 1
+        pages += int(fields[1])
+    return TreeUsage(count, pages * PAGE_BYTES)
+
+
+def private_memory(pids: Iterable[int]) -> int:
+    """The anonymous and shared-memory bytes of ``pids``, each page split among its sharers.
+
+    A forked process shares its parent's pages until it writes them; plain resident sizes count
+    those once per process. The proportional set size does not, but it costs a walk of the page
+    tables (milliseconds for a process that imported torch), so the watchdog reads it only when
+    the cheap sum is already over the limit.
+    """
+    total_kib = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as handle:
+                lines = handle.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")):
+                total_kib += int(line.split()[1])
+    return total_kib * 1024
+
+
+def apply_rlimits(limits: dict[str, int]) -> None:
+    """Set the per-process rlimits for ``limits`` (0 or missing: no limit).
+
+    Never above the current hard limit: raising that needs privileges we may lack.
+    """
+    for name, value in limits.items():
+        which = RLIMITS.get(name)
+        if not value or which is None:
+            continue
+        _soft, hard = resource.getrlimit(which)
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        resource.setrlimit(which, (value, value))
+
+
+def format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.4g} {unit}"
+    return f"{count} bytes"
+
+
+def describe_limit(name: str, value: int) -> str:
+    """``"the memory limit of 512 MiB (--memory-limit)"``."""
+    what = {
+        "memory_bytes": "memory limit",
+        "processes": "process limit",
+        "file_size_bytes": "file size limit",
+        "open_files": "open file limit",
+    }[name]
+    amount = format_bytes(value) if name.endswith("_bytes") else str(value)
+    return f"the worker's {what} of {amount} ({LIMIT_FLAGS[name]})"
+
+
+def current_limits() -> dict[str, int]:
+    """This process's rlimits, under the names of :data:`RLIMITS` (unlimited ones left out)."""
+    found = {}
+    for name, which in RLIMITS.items():
+        soft, _hard = resource.getrlimit(which)
+        if soft != resource.RLIM_INFINITY:
+            found[name] = soft
+    return found
+
+
+def explain_limit_error(message: str, limits: dict[str, int]) -> str | None:
+    """When ``message`` reads like an rlimit was hit, the sentence that names the limit."""
+    text = message.lower()
+    for name, markers in LIMIT_ERROR_MARKERS.items():
+        if limits.get(name) and any(marker in text for marker in markers):
+            return f"this may be {describe_limit(name, limits[name])}"
+    return None
+
+
+def limit_breach(pids: list[int], limits: dict[str, int]) -> str | None:
+    """The watchdog's verdict on one sample of a worker's tree: None, or why it must die."""
+    usage = tree_usage(pids)
+    most = limits.get("processes") or 0
+    if most and usage.processes > most:
+        return f"{usage.processes} processes, over {describe_limit('processes', most)}"
+    memory = limits.get("memory_bytes") or 0
+    if memory and usage.resident_bytes > memory:
+        used = private_memory(pids)
+        if used > memory:
+            return f"{format_bytes(used)} of memory in use, over {describe_limit('memory_bytes', memory)}"
+    return None
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps`` and ``/proc/PID/comm`` show (15 bytes at most)."""
+    _libc().prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+__all__ = [
+    "BOARD",
+    "ProcessInfo",
+    "ProgressBoard",
+    "TreeUsage",
+    "apply_rlimits",
+    "children",
+    "current_limits",
+    "descendants",
+    "describe_limit",
+    "explain_limit_error",
+    "format_bytes",
+    "kill_all",
+    "kill_descendants",
+    "limit_breach",
+    "note_progress",
+    "orphans_from_workers",
+    "private_memory",
+    "process_table",
+    "read_process",
+    "reap_children",
+    "set_child_subreaper",
+    "set_parent_death_signal",
+    "set_process_name",
+    "tree_usage",
+]
