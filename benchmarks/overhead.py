@@ -20,7 +20,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     broker,
     constant_program,
     free_port,
@@ -32,7 +32,7 @@ from benchmarks.common import (  # noqa: E402
     progress,
     save_json,
 )
-from kcoral import AsyncClient, Client  # noqa: E402
+from kcoral import AsyncClient, Client
 
 
 def zmq_round_trips(count: int) -> list[float]:

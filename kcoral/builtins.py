@@ -23,18 +23,27 @@ enabled around the probe and the counted calls only, not during warm-up.
 Before each counted call the L2 cache is flushed by *reading* a buffer twice the L2 size (a read
 leaves clean lines, so the next call pays no write-back for the flush) and the device is
 synchronised, so nothing of the call overlaps the flush. Then a one-thread spin kernel *holds* the
-current stream for a few tens of microseconds while the host launches the call behind it. Without
-the hold, a call that launches several pieces of work (cuBLAS, a sequence of torch ops) is timed
-with the host's launch gaps between them, since the GPU waits for each launch; Nsight Compute and
-CUDA events in a busy stream do not see those gaps. The hold is sized from the call's host launch
-time and lengthened while CUPTI's API records show launches still running when it ended.
+current stream for a few tens of microseconds while the host launches the call behind it.
 
-A call's latency is measured from the moment its stream was released (the end of the hold, or
-the first activity's start when work on another stream started earlier) to the end of its last
-activity. Like Nsight Compute's ``gpu__time_duration``, this includes the GPU's own time to take
-up the first launch (about a microsecond, a fifth of a 5 us kernel), which a kernel's CUPTI start
-timestamp leaves out. Before counting, the call runs until NVML reports a steady SM clock
-(bounded), then for the warm-up budget.
+Why the hold: after a host synchronisation the GPU waits for every launch, so a call that launches
+several pieces of work is timed with the host's launch gaps between them. torch.mm on the H200
+launches a workspace memset, then the GEMM about 10 us later; their span read 185-189 us where the
+GEMM takes 176 us (Nsight Compute: 177 us), the +7% first seen. Queued behind the hold, the same
+call reads 179 us. The hold is sized from the call's host launch time and lengthened while CUPTI's
+API records show launches still running when it ended. A call with work on another stream gets no
+hold: that work is not held, starts beside the spin kernel, and a kernel that wants every SM waits
+for the spin's SM (a side-stream GEMM read 211 us with a hold, 188 us without).
+
+A call's latency is the span from the first start to the last end of its activities. For a single
+kernel that is CUPTI's kernel duration (what Nsight Systems shows). Nsight Compute's
+``gpu__time_duration`` reads about 1.2 us more per kernel (measured on the H200: 44.85 against
+43.65 us for a 16M-float add, 5.31 against 4.10 us for a 1M-float add): its timestamps are written
+by the front end before the launch and after completion, so they include the GPU's launch
+processing, which CUPTI's kernel timestamps leave out. That is 2-3% on the add and the matmul and
+about 23% on a 4 us kernel. Timed from the end of the hold (``ready_span``) or by CUDA events
+around the held call, the same kernel reads about 2.4 us more than CUPTI's duration, so neither is
+closer. ``latency_ms_median_by`` in the result gives the median by each of these. Before counting,
+the call runs until NVML reports a steady SM clock (bounded), then for the warm-up budget.
 
 Without cupti-python (or when it fails to initialise) the fallback is a pair of CUDA events around
 each call on the current stream, with the same flush and hold; ``method`` in the result says which
@@ -293,6 +302,8 @@ class CallTimings:
     - ``busy_ms``: the time during which at least one of the call's activities ran.
     - ``late_calls``: calls whose last CUDA API call returned after the hold had ended, so the GPU
       may have waited for the host inside the call.
+    - ``unheld_calls``: calls with work that started before their hold ended (work on another
+      stream, which the hold does not hold, ran beside the spin kernel).
     """
 
     spans_ms: list[float]
@@ -301,6 +312,7 @@ class CallTimings:
     ready_spans_ms: list[float] = field(default_factory=list)
     busy_ms: list[float] = field(default_factory=list)
     late_calls: int = 0
+    unheld_calls: int = 0
     indices: list[int] = field(default_factory=list)
 
 
@@ -344,8 +356,7 @@ def spans_by_call(
         if call is not None and call in wanted and end > last_api.get(call, 0):
             last_api[call] = end
     timings = CallTimings(spans_ms=[], signatures=[], empty_calls=0)
-    late = 0
-    empty = 0
+    late = unheld = empty = 0
     for index, call in enumerate(call_ids):
         hold_end = holds.get(call)
         if hold_end is not None and last_api.get(call, 0) > hold_end:
@@ -354,13 +365,15 @@ def spans_by_call(
             empty += 1
             continue
         start, end = bounds[call]
+        if hold_end is not None and start < hold_end:
+            unheld += 1
         ready = min(start, hold_end) if hold_end is not None else start
         timings.spans_ms.append(max(0, end - start) / 1e6)
         timings.ready_spans_ms.append(max(0, end - ready) / 1e6)
         timings.busy_ms.append(busy_ns(intervals[call]) / 1e6)
         timings.signatures.append(launched[call])
         timings.indices.append(index)
-    return dataclasses.replace(timings, empty_calls=empty, late_calls=late)
+    return dataclasses.replace(timings, empty_calls=empty, late_calls=late, unheld_calls=unheld)
 
 
 # ----------------------------------------------------------------------------- CUPTI
@@ -445,8 +458,10 @@ class _CuptiTracer:
                     continue
                 if kind in self._api_kinds:
                     # Only the end matters: it tells whether the host was still launching when the
-                    # GPU ran out of held work.
-                    batch.api_ends[int(record.correlation_id)] = int(record.end)
+                    # GPU ran out of held work. Read defensively: losing it only loses that check.
+                    end = getattr(record, "end", None)
+                    if end is not None:
+                        batch.api_ends[int(record.correlation_id)] = int(end)
                     continue
                 kind_name = self._kind_names.get(kind)
                 if kind_name is None:
@@ -645,6 +660,9 @@ class _Runner:
         if self._spin is None:
             return None
         torch = self.torch
+        # The first launch of the spin kernel loads its module (lazy loading) and takes milliseconds:
+        # timed cold, it made the hold ~100 times too short on the H200.
+        self._spin(1)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         self.synchronize()
@@ -733,8 +751,14 @@ class _CuptiTimer:
                 "there is nothing to time",
             )
 
-    def fit_hold(self, runner: _Runner, hold_us: float, cycles_per_us: float) -> float:
-        """Lengthen the hold until traced calls finish launching before it ends (bounded)."""
+    def fit_hold(self, runner: _Runner, hold_us: float, cycles_per_us: float) -> tuple[float, str]:
+        """Lengthen the hold until traced calls finish launching before it ends (bounded).
+
+        Returns the hold (0 for none) and why. A call with work on another stream gets no hold:
+        that work starts at once, beside the spin kernel, and a kernel that wants every SM (a
+        persistent GEMM) then waits for the spin's SM; measured on the H200, a side-stream 4096^3
+        matmul read 211 us with the hold and 188 us without.
+        """
         for _ in range(HOLD_FIT_ROUNDS):
             base = _reserve_external_ids()
             _timed_calls(
@@ -749,10 +773,14 @@ class _CuptiTimer:
                 hold_ends=holds,
                 api_ends=records.api_ends,
             )
-            if timings.late_calls == 0 or hold_us >= MAX_HOLD_US:
-                break
+            if timings.unheld_calls:
+                return 0.0, "off: the call runs work on another stream, which a hold cannot hold"
+            if timings.late_calls == 0:
+                return hold_us, "on"
+            if hold_us >= MAX_HOLD_US:
+                return hold_us, "on, but the host launches more slowly than the longest hold"
             hold_us = min(MAX_HOLD_US, hold_us * 2)
-        return hold_us
+        return hold_us, "on, but the host still launched late after the last lengthening"
 
     def measure(
         self, runner: _Runner, repeat: int, hold_cycles: int, nvml: _Nvml | None
@@ -771,14 +799,14 @@ class _CuptiTimer:
         counts = {len(signature) for signature in timings.signatures}
         events = [event_ms[index] for index in timings.indices]
         by_estimate: dict[str, float | None] = {
-            "ready_span": _median(timings.ready_spans_ms),
             "span": _median(timings.spans_ms),
+            "ready_span": _median(timings.ready_spans_ms),
             "busy": _median(timings.busy_ms),
             "cuda_event": _median(events),
         }
         return (
             _Measurement(
-                samples_ms=timings.ready_spans_ms,
+                samples_ms=timings.spans_ms,
                 stable=timings.empty_calls == 0 and activities_stable(timings.signatures),
                 empty_calls=timings.empty_calls,
                 activities_per_call=counts.pop() if len(counts) == 1 else None,
@@ -795,8 +823,8 @@ class _EventTimer:
     def probe(self, runner: _Runner) -> None:
         runner.iteration()
 
-    def fit_hold(self, runner: _Runner, hold_us: float, cycles_per_us: float) -> float:
-        return hold_us  # without CUPTI the host's lateness cannot be seen
+    def fit_hold(self, runner: _Runner, hold_us: float, cycles_per_us: float) -> tuple[float, str]:
+        return hold_us, "on"  # without CUPTI neither lateness nor other streams can be seen
 
     def measure(
         self, runner: _Runner, repeat: int, hold_cycles: int, nvml: _Nvml | None
@@ -879,11 +907,12 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
     """Time ``fn(*args)`` on the GPU and return latency statistics in milliseconds.
 
     Each counted call is timed from CUPTI activity records of every kernel, memcpy and memset it
-    launches, on any stream: from the moment its stream is released to the end of its last
-    activity. Before each call the L2 cache is flushed and the device synchronised; then a short
-    GPU spin holds the current stream while the host launches the call behind it, so the host's
-    launch overhead stays out of the time (as it does in Nsight Compute). Before counting, the call
-    runs until the SM clock is steady (at most ``clock_warmup_ms``), then for the warm-up budget.
+    launches, on any stream: from the first activity's start to the last one's end. Before each
+    call the L2 cache is flushed and the device synchronised; then, unless the call runs work on
+    another stream, a short GPU spin holds the current stream while the host launches the call
+    behind it, so host launch gaps between the call's kernels stay out of the time (as they do in
+    Nsight Compute). Before counting, the call runs until the SM clock is steady (at most
+    ``clock_warmup_ms``), then for the warm-up budget.
 
     Config keys (``config={...}`` or a trailing dict argument): ``warmup_ms`` (25), ``repeat_ms``
     (100), ``warmup`` and ``repeat`` (counts; they override the budgets), ``flush_l2`` (True),
@@ -896,7 +925,8 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
     ``repeat`` (counts used), ``flush_l2``, ``activities_stable`` (False when calls launched
     different activities; always True with CUDA events, which cannot tell), ``method``
     (``"cupti"`` or ``"cuda_event"``), ``latency_ms_median_by`` (the median by each way of
-    measuring: ``ready_span``, ``span``, ``busy``, ``cuda_event``), ``launch_hold_us`` and
+    measuring: ``span``, the one reported; ``ready_span``, from the end of the hold; ``busy``, the
+    time any activity ran; ``cuda_event``), ``launch_hold`` (on, or off and why), ``launch_hold_us``,
     ``launch_late_calls``, ``sm_clock_mhz_before``/``_after``, ``throttle_reasons_before``/``_after``,
     ``throttled`` (None where NVML is missing) and ``gpu``.
 
@@ -912,7 +942,7 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
         b = torch.randn_like(a)
         out = torch.empty_like(a)
         result = benchmark(lambda x, y: torch.add(x, y, out=out), a, b, {"repeat": 200})
-        print(result["latency_ms_median"], result["method"])   # e.g. 0.0446 cupti
+        print(result["latency_ms_median"], result["method"])   # e.g. 0.0437 cupti
     """
     call_args, settings = split_config(args, config)
     torch = _import_torch_with_gpu()
@@ -943,9 +973,12 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
             iteration_ms.append((time.perf_counter() - tick) * 1e3)
 
     hold_us = 0.0
+    hold_state = "off: launch_hold is false"
     cycles_per_us = runner.spin_cycles_per_us() if settings.launch_hold else None
     if cycles_per_us:
-        hold_us = timer.fit_hold(runner, initial_hold_us(launch_ms[1:] or launch_ms), cycles_per_us)
+        hold_us, hold_state = timer.fit_hold(runner, initial_hold_us(launch_ms[1:] or launch_ms), cycles_per_us)
+    elif settings.launch_hold:
+        hold_state = "off: torch has no spin kernel (torch.cuda._sleep)"
     hold_cycles = int(hold_us * cycles_per_us) if cycles_per_us else 0
 
     # The median of the latest iterations: early ones can still include clock ramp-up.
@@ -981,6 +1014,7 @@ def benchmark(fn: Callable[..., Any], *args: Any, config: Mapping[str, Any] | No
             "method": timer.method,
             "cupti_error": cupti_error,
             "latency_ms_median_by": measurement.by_estimate,
+            "launch_hold": hold_state,
             "launch_hold_us": round(hold_us, 1) if hold_cycles else 0.0,
             "launch_late_calls": measurement.late_calls,
             "clock_steady": clock_steady,

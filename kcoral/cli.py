@@ -94,6 +94,19 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _absolute_path(text: str) -> Path:
+    # Absolute from here on: a sandboxed zygote runs in /workspace, where a relative ipc:// path
+    # or bind source would point elsewhere.
+    return Path(text).absolute()
+
+
+def _existing_path(text: str) -> Path:
+    path = _absolute_path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kcoral", description="KCoral: a GPU evaluation service.")
     parser.add_argument("--log-level", default=os.environ.get("KCORAL_LOG_LEVEL", "info"))
@@ -107,12 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--fake-gpus", type=_non_negative, default=0, help="lease tokens on a CPU host")
     broker.add_argument("--workers-per-gpu", type=_positive, default=1)
     broker.add_argument("--workers", type=_positive, default=None, help="CPU workers when there are no GPUs")
-    broker.add_argument("--sandbox", choices=("bubblewrap", "none"), default=None)
-    broker.add_argument("--sandbox-readonly-path", action="append", type=Path, default=[])
+    broker.add_argument(
+        "--sandbox",
+        choices=("bubblewrap", "none"),
+        default=None,
+        help="isolate each worker with bubblewrap (default where bwrap runs), or not at all",
+    )
+    broker.add_argument(
+        "--sandbox-readonly-path",
+        action="append",
+        type=_existing_path,
+        default=[],
+        help="a host path that workers may read, at the same path (repeatable)",
+    )
     broker.add_argument("--max-programs-per-worker", type=_non_negative, default=1, help="0: reuse workers")
     broker.add_argument(
         "--cache-dir",
-        type=Path,
+        type=_absolute_path,
         default=None,
         help="disk blob cache (default: RUN_DIR/cache, deleted with a temporary run dir; "
         "give this or --run-dir for a cache that survives a restart)",
@@ -120,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--cache-bytes", type=_size, default=1 << 30)
     broker.add_argument("--cache-disk-bytes", type=_size, default=32 << 30)
     broker.add_argument("--max-queued", type=_positive, default=1024)
+    broker.add_argument("--queue-timeout", type=float, default=3600.0, help="seconds a program may wait to start")
     broker.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
     broker.add_argument("--max-response-bytes", type=_size, default=protocol.DEFAULT_MAX_RESPONSE_BYTES)
     broker.add_argument(
@@ -153,13 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_OPEN_FILES,
         help=f"open files per worker process; 0: the inherited limit (default {DEFAULT_MAX_OPEN_FILES})",
     )
-    broker.add_argument("--run-dir", type=Path, default=None, help="sockets and workspaces (default: a temp dir)")
+    broker.add_argument(
+        "--run-dir", type=_absolute_path, default=None, help="sockets and workspaces (default: a temp dir)"
+    )
     broker.add_argument("--upstream", default=None, help="a router's nodes endpoint to join")
     broker.add_argument("--node-id", default=None)
 
     status = sub.add_parser("status", help="show a broker's or router's capacity, queue, leases, workers")
     status.add_argument("url", nargs="?", default=None)
     status.add_argument("--json", action="store_true")
+
+    from kcoral.tools import add_adapter_parsers
+
+    # The seed's adapters: python, ncu, sanitizer, iket, remote (their flags live in kcoral/tools).
+    add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"))
     return parser
 
 
@@ -170,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return _broker(args)
     if args.command == "status":
         return _status(args)
+    if getattr(args, "adapter", None) is not None:
+        return int(args.adapter(args))
     return EXIT_USAGE
 
 
@@ -197,12 +231,17 @@ def _broker(args: argparse.Namespace) -> int:
     from kcoral.broker.target import TargetError
     from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
 
+    log = structlog.get_logger("kcoral.cli")
     sandbox = args.sandbox
-    if sandbox is None:
+    if sandbox != "none":
         try:
             check_bwrap()
             sandbox = "bubblewrap"
-        except SandboxUnavailable:
+        except SandboxUnavailable as exc:
+            if sandbox == "bubblewrap":  # asked for: never run programs without the walls instead
+                log.error("broker_cannot_start", error=str(exc))
+                return EXIT_CONFIG
+            log.warning("sandbox_unavailable_running_without", reason=str(exc))
             sandbox = "none"
     workers = args.workers or max(1, min(4, (os.cpu_count() or 2)))
     limits = {
@@ -225,6 +264,7 @@ def _broker(args: argparse.Namespace) -> int:
         cache_bytes=args.cache_bytes,
         cache_disk_bytes=args.cache_disk_bytes,
         max_queued=args.max_queued,
+        queue_timeout_seconds=args.queue_timeout,
         max_request_bytes=args.max_request_bytes,
         max_response_bytes=args.max_response_bytes,
         negotiation_timeout_seconds=args.negotiation_timeout or NEGOTIATION_TIMEOUT_SECONDS,
@@ -232,7 +272,6 @@ def _broker(args: argparse.Namespace) -> int:
         limits={k: v for k, v in limits.items() if v},
     )
     install_event_loop_policy()
-    log = structlog.get_logger("kcoral.cli")
     try:
         return asyncio.run(run_broker(settings))
     except (TargetError, SandboxUnavailable) as exc:

@@ -21,6 +21,8 @@ LOG_TIMEOUT_SECONDS = 10.0
 REPLY_TIMEOUT_SECONDS = 10.0
 NO_REPLY_SECONDS = 0.2  # how long a dropped message is given to (wrongly) produce a reply
 DIGEST = "ab" * 32
+# A broker that loses a request leaves its client waiting: fail such a test in bounded time.
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture

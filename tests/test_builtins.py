@@ -307,6 +307,7 @@ def test_ready_span_starts_when_the_hold_ends() -> None:
     assert timings.ready_spans_ms == [pytest.approx(0.0047), pytest.approx(0.008)]
     assert timings.busy_ms == [pytest.approx(0.004), pytest.approx(0.008)]
     assert timings.indices == [0, 1]
+    assert timings.unheld_calls == 1  # the side-stream call: its work did not wait for the hold
 
 
 def test_ready_span_is_the_span_without_a_hold() -> None:

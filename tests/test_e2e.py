@@ -181,7 +181,7 @@ def test_instruction_error_kinds(client: Client, source: str, name: str, kind: s
 def test_parse_error_for_bad_reference_in_wire_program(shared_broker) -> None:  # type: ignore[no-untyped-def]
     # The builder refuses bad references, so forge one the way a raw tool could.
     program = echo_program(1)
-    program._instructions[2]["fn"] = "nowhere"  # noqa: SLF001
+    program._instructions[2]["fn"] = "nowhere"
     with Client(shared_broker.url) as client:
         result = client.execute(program)
     assert result.status == "FAILED"

@@ -32,6 +32,8 @@ EXT_TENSOR, EXT_REF, EXT_TUPLE, EXT_BYTES, EXT_FILE, EXT_FOLDER = 1, 2, 3, 4, 5,
 
 START_TIMEOUT_SECONDS = 60.0
 REPLY_TIMEOUT_SECONDS = 30.0
+# A broker that loses a request leaves its client waiting: fail such a test in bounded time.
+pytestmark = pytest.mark.timeout(120)
 
 MODULE_SOURCE = """
 def scale(x, k):

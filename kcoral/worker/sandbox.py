@@ -13,10 +13,14 @@ no capabilities, and a root filesystem assembled from scratch:
 * the broker's blob cache, read-only, at ``/blobs``;
 * only the slot's ``/dev/nvidiaN`` and the NVIDIA control nodes;
 * an empty read-only ``/tmp``;
-* a private, size-bounded shared-memory tmpfs mounted at ``/workspace/.shm``, which ``/dev/shm``
-  links to: whatever wipes the workspace between programs (the zygote does, before every fork)
-  empties it too, so no POSIX shared memory or semaphore survives into the next program. Being a
-  mount point, the directory itself stays when the wipe removes its contents.
+* ``/dev/shm`` (POSIX shared memory and semaphores, torch's shared tensors): a private host
+  directory of the slot, mounted both there and at ``/workspace/.shm``.
+
+Every place a program can write is thus under ``/workspace``: the zygote's wipe of it before each
+fork resets all that one program could leave for the next, shared memory included. ``.shm`` being
+a mount point inside, the wipe empties it but cannot remove it, so ``/dev/shm`` never dangles. Its
+host directory lies outside the workspace, so no program can swap it for a symlink that the next
+sandbox's bind would follow.
 
 Everything else on the host (``/root``, ``/work``, ``/tmp``, other slots' workspaces, the rest of
 the broker's run directory) is absent, not merely read-only.
@@ -117,9 +121,9 @@ class SandboxSpec:
 
     ``workspace`` is the slot's private writable directory on the host, seen at ``/workspace``;
     ``ipc_dir`` holds the broker's ``ipc://`` socket and is bound read-only at the same path;
-    ``blob_dir`` is the broker's disk blob cache, bound read-only at ``/blobs``. ``shm_bytes``
-    bounds the private shared memory behind ``/dev/shm`` (POSIX semaphores, torch shared memory);
-    0 leaves ``/dev/shm`` an empty read-only directory.
+    ``blob_dir`` is the broker's disk blob cache, bound read-only at ``/blobs``.
+    ``shared_memory_dir`` is the slot's host directory behind ``/dev/shm`` (outside
+    ``workspace``); without one, ``/dev/shm`` is an empty read-only directory.
     """
 
     workspace: Path
@@ -129,7 +133,7 @@ class SandboxSpec:
     blob_dir: Path | None = None
     uid: int = 1000
     share_net: bool = False
-    shm_bytes: int = 1 << 30
+    shared_memory_dir: Path | None = None
 
 
 def find_bwrap() -> Path | None:
@@ -177,7 +181,7 @@ def check_bwrap(bwrap: Path | None = None) -> Path:
 
 
 def sandbox_environment(spec: SandboxSpec, environ: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s PATH, LANG, PYTHONPATH.
+    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s :data:`INHERITED_ENV`.
 
     PATH falls back to :data:`DEFAULT_PATH` when ``environ`` has none.
     """
@@ -188,12 +192,10 @@ def sandbox_environment(spec: SandboxSpec, environ: Mapping[str, str]) -> dict[s
     return env
 
 
-def sandbox_argv(
-    spec: SandboxSpec, bwrap: Path, environ: Mapping[str, str] | None = None
-) -> list[str]:
+def sandbox_argv(spec: SandboxSpec, bwrap: Path, environ: Mapping[str, str] | None = None) -> list[str]:
     """The ``bwrap`` argv prefix for ``spec``; append ``"--"`` and the command to run inside.
 
-    ``environ`` is the caller's environment, read only for PATH, LANG and PYTHONPATH; the
+    ``environ`` is the caller's environment, read only for :data:`INHERITED_ENV`; the
     sandbox starts from a cleared environment (see :func:`sandbox_environment`).
     """
     argv = [str(bwrap), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
@@ -212,10 +214,6 @@ def sandbox_argv(
     argv += ["--proc", "/proc", "--dev", "/dev"]
     for node in _device_nodes(spec.gpu_indices):
         argv += ["--dev-bind", node, node]
-    if spec.shm_bytes > 0:
-        # --dev made /dev/shm a directory; a link to the tmpfs in the workspace replaces it.
-        argv += ["--remount-ro", "/dev/shm", "--symlink", str(SHARED_MEMORY), "/dev/shm"]
-    argv += ["--remount-ro", "/dev"]
     # An empty read-only /tmp for programs that hard-code it; TMPDIR points into the workspace.
     argv += ["--dir", "/tmp"]
 
@@ -223,6 +221,8 @@ def sandbox_argv(
     hidden = [spec.workspace.parent, spec.ipc_dir.parent]
     if spec.blob_dir is not None:
         hidden.append(spec.blob_dir)
+    if spec.shared_memory_dir is not None:
+        hidden.append(spec.shared_memory_dir.parent)  # the other slots' shared memory with it
     hidden_covered = [p for p in _unique(_real(p) for p in hidden) if _covered(p, binds)]
     for path in hidden_covered:
         argv += ["--tmpfs", str(path)]
@@ -230,8 +230,10 @@ def sandbox_argv(
     argv += ["--bind", str(_real(spec.workspace)), str(WORKSPACE)]
     for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME"):
         argv += ["--dir", SANDBOX_ENV[var]]
-    if spec.shm_bytes > 0:
-        argv += ["--size", str(spec.shm_bytes), "--tmpfs", str(SHARED_MEMORY)]
+    if spec.shared_memory_dir is not None:
+        shm = str(_real(spec.shared_memory_dir))
+        argv += ["--bind", shm, str(SHARED_MEMORY), "--bind", shm, "/dev/shm"]
+    argv += ["--remount-ro", "/dev"]
     ipc_dir = Path(os.path.abspath(spec.ipc_dir))
     argv += ["--ro-bind", str(_real(ipc_dir)), str(ipc_dir)]
     if spec.blob_dir is not None:

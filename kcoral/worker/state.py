@@ -119,6 +119,7 @@ class ProcessState:
     meta_path: list[Any]
     path_hooks: list[Any]
     modules: set[str]
+    finders: set[str]
     argv: list[str]
     streams: tuple[Any, ...]
     hooks: tuple[Any, ...]
@@ -149,6 +150,7 @@ class ProcessState:
             meta_path=list(sys.meta_path),
             path_hooks=list(sys.path_hooks),
             modules=set(sys.modules),
+            finders=set(sys.path_importer_cache),
             argv=list(sys.argv),
             streams=(sys.stdin, sys.stdout, sys.stderr),
             hooks=(sys.displayhook, sys.excepthook, sys.breakpointhook),
@@ -214,7 +216,7 @@ class ProcessState:
             foreign = any(_under(p, scratch_root) or not _under(p, installed) for p in places)
             if name.startswith("kcoral_upload_") or foreign:
                 del sys.modules[name]
-        for entry in [p for p in sys.path_importer_cache if not _under(p, installed)]:
+        for entry in [p for p in sys.path_importer_cache if p not in self.finders and not _under(p, installed)]:
             del sys.path_importer_cache[entry]
         importlib.invalidate_caches()
 
@@ -231,7 +233,11 @@ def reseed_generators() -> None:
         numpy.random.seed()
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.seed()  # CUDA's generators too, where CUDA is initialised
+        # The CPU generator alone (torch.seed() costs milliseconds in a fresh fork): CUDA's are
+        # made when CUDA is initialised, in the worker, as in a new process.
+        torch.default_generator.seed()
+        if torch.cuda.is_initialized():
+            torch.cuda.seed_all()
 
 
 def cuda_view_mismatch(gpu_ids: list[int]) -> str | None:

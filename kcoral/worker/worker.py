@@ -556,14 +556,21 @@ def execute_program(
     workspace: Path,
     socket: zmq.Socket[bytes] | None,
     progress: Callable[[int], None] = lambda index: None,
+    *,
+    last: bool = False,
 ) -> ExecutionOutcome:
-    """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up."""
+    """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
+
+    Unless this is the worker's ``last`` program, the process-wide state the program may change
+    is put back afterwards (see :mod:`kcoral.worker.state`). A last program skips that: the worker
+    exits anyway, and the snapshot would touch (and so copy, after the fork) megabytes of pages.
+    """
     request_id = protocol.check_id(request.get("request_id"), "request_id")
     options = request.get("options") or {}
     gpu_ids = [int(g) for g in request.get("gpu_ids", [])]
     output_limit = int(options.get("output_limit_bytes", protocol.DEFAULT_OUTPUT_LIMIT_BYTES))
     run_dir = workspace / f"run-{request_id}"
-    saved = ProcessState.capture()
+    saved = None if last else ProcessState.capture()
     interpreter = Interpreter(request, blobs, run_dir, LeaseChannel(socket, request_id, gpu_ids), progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
     capture = OutputCapture(run_dir / "output", output_limit)
@@ -627,7 +634,8 @@ def execute_program(
             error["instruction_index"] = None
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
-        saved.restore(run_dir)
+        if saved is not None:
+            saved.restore(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -733,7 +741,7 @@ def _execute_message(
             processes.note_progress(index)  # survives the worker, unlike a message still queued
             socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
 
-        outcome = execute_program(body, blobs, settings.workspace, socket, progress)
+        outcome = execute_program(body, blobs, settings.workspace, socket, progress, last=settings.max_programs == 1)
         error = outcome.body.get("error")
         if isinstance(error, dict) and error.get("kind") == "response_too_large":
             # The broker refuses the whole response: do not send it the part that fitted.

@@ -42,9 +42,11 @@ FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
+KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
 WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples a worker's tree
 EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
 NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
 
 
 @dataclass
@@ -89,8 +91,9 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int) -> N
             os._exit(code)
         processes.set_process_name("kcoral-worker")
         processes.set_child_subreaper()  # a program's orphans come back to the worker, to be found
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, PARENT_DEATH_SIGNAL):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
         # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
         # with EFBIG, which the program's result reports, instead of killing the worker.
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -152,6 +155,10 @@ class Zygote:
             except ImportError:
                 pass  # torch is optional on CPU-only hosts
         importlib.import_module("kcoral.worker.worker")
+        if "numpy" in sys.modules:
+            # numpy loads numpy.random on first use; every worker reseeds it (and many programs
+            # use it), and importing it after the fork costs each worker about 10 ms.
+            importlib.import_module("numpy.random")
         # Move everything imported so far out of the collector's sight: a worker's garbage
         # collections then leave these pages alone, and they stay shared with the zygote.
         gc.collect()
@@ -159,9 +166,14 @@ class Zygote:
         processes.set_process_name("kcoral-zygote")
         processes.BOARD = processes.ProgressBoard()
         processes.set_child_subreaper()
-        # SIGTERM, not SIGKILL, when the broker dies: we first take the worker's tree with us.
-        processes.set_parent_death_signal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_terminate)
+        # Not SIGKILL when the broker dies: we first take the worker's tree with us. Not SIGTERM
+        # either: that one (and SIGINT, from a terminal) also reaches the whole process group when
+        # a service manager stops the broker, and the broker, draining, still needs its workers.
+        # The broker stops us through our stdin.
+        processes.set_parent_death_signal(PARENT_DEATH_SIGNAL)
+        signal.signal(PARENT_DEATH_SIGNAL, self._on_broker_death)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(0, selectors.EVENT_READ, "commands")
         emit("ready", pid=os.getpid(), slot=self.settings.slot, eager_cuda=self.settings.eager_cuda)
         crashes = 0
@@ -246,7 +258,8 @@ class Zygote:
 
     def watch(self) -> None:
         """One watchdog sample of the worker's tree: kill it all if it breaks a limit."""
-        tree = processes.descendants(os.getpid())
+        most = self.settings.limits.get("processes") or None
+        tree = processes.descendants(os.getpid(), most)
         breach = processes.limit_breach(tree, self.settings.limits)
         if breach is not None:
             self.kill_worker(f"the zygote killed it: {breach}")
@@ -257,8 +270,10 @@ class Zygote:
             self.kill_reason = reason
         if self.worker_pid is not None:
             _kill_group(self.worker_pid)
-        # No reaping here: wait_for must collect the worker's own exit status.
-        processes.kill_all(processes.descendants(os.getpid()))
+        # No reaping here: wait_for must collect the worker's own exit status. The walk is bounded
+        # (the group kill above got the bulk); kill_descendants finishes the job once it is dead.
+        tree = processes.descendants(os.getpid(), KILL_WALK_MOST)
+        processes.kill_processes(info for info in map(processes.read_process, tree) if info is not None)
 
     def read_commands(self) -> None:
         chunk = os.read(0, 65536)
@@ -282,10 +297,10 @@ class Zygote:
                 self.kill_requested = True
                 self.kill_worker("")
 
-    def _on_terminate(self, signum: int, frame: Any) -> None:
+    def _on_broker_death(self, signum: int, frame: Any) -> None:
         self.stopping = True
         self.kill_requested = True
-        self.kill_worker("")
+        self.kill_worker("the broker went away")
 
 
 def _kill_group(pid: int) -> None:

@@ -184,18 +184,21 @@ def test_cpu_only_function_that_uses_cuda_fails_with_gpu_access(gpu_client: Clie
     assert allowed.results["value"] == 45
 
 
-def test_illegal_address_fails_its_program_and_the_next_program_completes(gpu_client: Client) -> None:
+def test_illegal_address_fails_its_program_and_the_next_program_completes(
+    gpu_client: Client, gpu_broker: RunningBroker
+) -> None:
     if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("triton") is None:
         pytest.skip("needs cupy or triton to launch a faulting kernel")
     crashed = _run(gpu_client, ILLEGAL_ADDRESS_SOURCE, "read_out_of_bounds", [])
+    # The next programs land on a fresh worker with a fresh context.
+    after = [_run(gpu_client, ADD_SOURCE, "add_on_the_gpu", [1000]) for _ in range(2)]
     assert crashed.status == "FAILED"
     assert crashed.error is not None
     print(f"\nillegal address: {crashed.error['kind']}: {crashed.error['message'][:200]}")
-    assert "illegal" in crashed.error["message"].lower(), crashed.error
-    for _ in range(2):  # the next programs land on a fresh worker with a fresh context
-        after = _run(gpu_client, ADD_SOURCE, "add_on_the_gpu", [1000])
-        assert after.completed, after.error
-        assert after.results["value"] == pytest.approx(500500.0)
+    for result in after:
+        assert result.completed, result.error
+        assert result.results["value"] == pytest.approx(500500.0)
+    assert "illegal" in crashed.error["message"].lower(), (crashed.error, crashed.stderr, gpu_broker.log()[-4000:])
 
 
 @needs_cupti
