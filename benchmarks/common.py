@@ -32,8 +32,19 @@ def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, sub
     url = f"tcp://127.0.0.1:{free_port()}"
     run_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
     log_path = log_path or run_dir.with_suffix(".log")
-    argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "warning", "broker", "--listen", url,
-            "--run-dir", str(run_dir / "run"), *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "kcoral.cli",
+        "--log-level",
+        "warning",
+        "broker",
+        "--listen",
+        url,
+        "--run-dir",
+        str(run_dir / "run"),
+        *flags,
+    ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -112,8 +112,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--in-flight", type=int, default=8)
-    parser.add_argument("--broker-flags", default="--workers 4 --sandbox none",
-                        help="flags for kcoral broker (quoted)")
+    parser.add_argument("--broker-flags", default="--workers 4 --sandbox none", help="flags for kcoral broker (quoted)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG with the latency CDFs")
     args = parser.parse_args()
@@ -134,14 +133,24 @@ def main() -> int:
         stats = percentiles(samples)
         rows.append([label, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], stats["mean_ms"]])
     zmq_p50 = percentiles(zmq_samples)["p50_ms"]
-    print_table(f"End-to-end overhead ({machine()}, broker: {args.broker_flags})",
-                ["path", "n", "p50 ms", "p99 ms", "mean ms"], rows)
+    print_table(
+        f"End-to-end overhead ({machine()}, broker: {args.broker_flags})",
+        ["path", "n", "p50 ms", "p99 ms", "mean ms"],
+        rows,
+    )
     print(f"\nconstant program p50 / zmq echo p50: {percentiles(constant)['p50_ms'] / zmq_p50:.0f}x")
     print(f"programs per second with {args.in_flight} in flight: {rate:.1f}")
     save_json(args.json, {"rows": rows, "programs_per_second": rate, "machine": machine()})
-    plot_latencies(args.plot, {"zmq echo": zmq_samples, "constant program": constant,
-                               "upload+run": function, f"{args.in_flight} in flight": parallel},
-                   "KCoral end-to-end latency")
+    plot_latencies(
+        args.plot,
+        {
+            "zmq echo": zmq_samples,
+            "constant program": constant,
+            "upload+run": function,
+            f"{args.in_flight} in flight": parallel,
+        },
+        "KCoral end-to-end latency",
+    )
     return 0
 
 

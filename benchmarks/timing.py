@@ -95,7 +95,7 @@ def evaluate(name, config=None):
     """One program's measurement: the benchmark() report, trimmed to what the table needs."""
     report = benchmark(make_workload(name), config=config or {})
     keep = ("latency_ms_median", "latency_ms_min", "latency_ms_max", "latency_ms_std", "method", "repeat",
-            "activities_stable", "activities_per_call", "latency_ms_median_by", "launch_hold_us",
+            "activities_stable", "activities_per_call", "latency_ms_median_by", "launch_hold", "launch_hold_us",
             "launch_late_calls", "sm_clock_mhz_before", "sm_clock_mhz_after", "throttle_reasons_after",
             "throttled", "clock_steady")
     return {key: report.get(key) for key in keep}

@@ -23,27 +23,31 @@ enabled around the probe and the counted calls only, not during warm-up.
 Before each counted call the L2 cache is flushed by *reading* a buffer twice the L2 size (a read
 leaves clean lines, so the next call pays no write-back for the flush) and the device is
 synchronised, so nothing of the call overlaps the flush. Then a one-thread spin kernel *holds* the
-current stream for a few tens of microseconds while the host launches the call behind it.
+current stream (for 0.1 to 0.5 ms on the H200) while the host launches the call behind it.
 
 Why the hold: after a host synchronisation the GPU waits for every launch, so a call that launches
 several pieces of work is timed with the host's launch gaps between them. torch.mm on the H200
 launches a workspace memset, then the GEMM about 10 us later; their span read 185-189 us where the
-GEMM takes 176 us (Nsight Compute: 177 us), the +7% first seen. Queued behind the hold, the same
-call reads 179 us. The hold is sized from the call's host launch time and lengthened while CUPTI's
-API records show launches still running when it ended. A call with work on another stream gets no
-hold: that work is not held, starts beside the spin kernel, and a kernel that wants every SM waits
-for the spin's SM (a side-stream GEMM read 211 us with a hold, 188 us without).
+GEMM takes 175-176 us (Nsight Compute: 176-177 us), the +7% first seen. Queued behind the hold,
+the same call reads 176-179 us (two sessions). The hold is sized from the call's host launch time
+and lengthened while CUPTI's API records show launches still running when it ended. A call with
+work on another stream gets no hold: that work is not held, starts beside the spin kernel, and a
+kernel that wants every SM waits for the spin's SM (a side-stream GEMM read 211 us with a hold,
+184-188 us without).
 
 A call's latency is the span from the first start to the last end of its activities. For a single
 kernel that is CUPTI's kernel duration (what Nsight Systems shows). Nsight Compute's
-``gpu__time_duration`` reads about 1.2 us more per kernel (measured on the H200: 44.85 against
-43.65 us for a 16M-float add, 5.31 against 4.10 us for a 1M-float add): its timestamps are written
-by the front end before the launch and after completion, so they include the GPU's launch
-processing, which CUPTI's kernel timestamps leave out. That is 2-3% on the add and the matmul and
-about 23% on a 4 us kernel. Timed from the end of the hold (``ready_span``) or by CUDA events
-around the held call, the same kernel reads about 2.4 us more than CUPTI's duration, so neither is
-closer. ``latency_ms_median_by`` in the result gives the median by each of these. Before counting,
-the call runs until NVML reports a steady SM clock (bounded), then for the warm-up budget.
+``gpu__time_duration`` reads about 1.1 us more per kernel (H200: 44.69 against 43.62 us for a
+16M-float add, 5.31 against 4.13 us for a 1M-float add, 175.9 against 176.1 us for a 4096^3 bf16
+GEMM whose memset and GEMM the span both covers): its timestamps are written by the GPU's front
+end before the launch and after completion, so they include the launch processing that CUPTI's
+kernel timestamps leave out. That is 2-3% for the add and under 1% for the GEMM, but 22% for a
+4 us kernel. Nothing on this side of the GPU reproduces ncu's offset: CUDA events around the held
+call read about 2.5 us more than CUPTI's duration (6.6 us for the 4 us kernel), the same whether
+the stream was held by the spin kernel or by a wait on a host flag, and an event recorded right
+after another costs 1.3 us; timing from the end of the hold (``ready_span``) reads the same 6.6
+us. ``latency_ms_median_by`` in the result gives the median by each of these. Before counting, the
+call runs until NVML reports a steady SM clock (bounded), then for the warm-up budget.
 
 Without cupti-python (or when it fails to initialise) the fallback is a pair of CUDA events around
 each call on the current stream, with the same flush and hold; ``method`` in the result says which
@@ -757,7 +761,7 @@ class _CuptiTimer:
         Returns the hold (0 for none) and why. A call with work on another stream gets no hold:
         that work starts at once, beside the spin kernel, and a kernel that wants every SM (a
         persistent GEMM) then waits for the spin's SM; measured on the H200, a side-stream 4096^3
-        matmul read 211 us with the hold and 188 us without.
+        matmul read 211 us with the hold and 184-188 us without.
         """
         for _ in range(HOLD_FIT_ROUNDS):
             base = _reserve_external_ids()

@@ -380,8 +380,12 @@ def is_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def tensor_from_wire(spec: TensorSpec, data: bytes | memoryview, *, prefer_torch: bool) -> Any:
-    """Rebuild a tensor. Dtypes numpy lacks (bfloat16, float8) always come back as torch tensors."""
+def tensor_from_wire(spec: TensorSpec, data: bytes | memoryview, *, prefer_torch: bool, copy: bool = True) -> Any:
+    """Rebuild a tensor. Dtypes numpy lacks (bfloat16, float8) always come back as torch tensors.
+
+    The tensor owns a copy of ``data``, unless ``copy`` is False: that is for writable memory that
+    belongs to this tensor alone (a private copy-on-write mapping), which the tensor is built over.
+    """
     if len(data) != spec.nbytes:
         raise WireError(f"tensor {spec.dtype}{list(spec.shape)} needs {spec.nbytes} bytes, got {len(data)}")
     np_dtype = numpy_dtype(spec.dtype)
@@ -391,11 +395,12 @@ def tensor_from_wire(spec: TensorSpec, data: bytes | memoryview, *, prefer_torch
             if spec.nbytes
             else np.empty(spec.shape, dtype=np_dtype)
         )
-        return array.copy()  # own writable memory, independent of the zmq frame
+        return array.copy() if copy else array  # own writable memory, independent of the zmq frame
     import torch
 
     torch_dtype = getattr(torch, spec.dtype)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if spec.nbytes else torch.empty(0, dtype=torch.uint8)
+    owned = bytearray(data) if copy else data
+    raw = torch.frombuffer(owned, dtype=torch.uint8) if spec.nbytes else torch.empty(0, dtype=torch.uint8)
     return raw.view(torch_dtype).reshape(spec.shape)
 
 

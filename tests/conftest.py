@@ -73,12 +73,26 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> 
     raise RuntimeError(f"broker did not become healthy:\n{log_path.read_text()}")
 
 
-def start_broker(tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> RunningBroker:
+def start_broker(
+    tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
+) -> RunningBroker:
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / f"run-{port}"
     log_path = tmp_path / f"broker-{port}.log"
-    argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "debug", "broker", "--listen", url, "--run-dir", str(run_dir), *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "kcoral.cli",
+        "--log-level",
+        "debug",
+        "broker",
+        "--listen",
+        url,
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
     if "--sandbox" not in args:
         argv += ["--sandbox", "none"]
     full_env = dict(os.environ, **(env or {}))

@@ -20,7 +20,7 @@ import zmq
 
 from kcoral import AsyncClient, Client, KCoralError, Program, protocol
 from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
-from kcoral.worker.worker import _map_blob
+from kcoral.worker.worker import ProgramBlobs, _map_blob
 from tests.conftest import BrokerFactory, RunningBroker, start_broker
 
 RAW_TIMEOUT_MS = 10_000
@@ -168,6 +168,27 @@ def test_large_blob_reaches_the_worker_from_the_disk_cache(cache_broker: Running
     assert first.completed and second.completed, (first.error, second.error)
     assert first.results["total"] == second.results["total"] == pytest.approx(expected_sum(big), rel=1e-6)
     assert "blob_paths=1" in cache_broker.log()
+
+
+def test_large_input_is_private_to_each_use_and_leaves_the_cache_intact(cache_broker: RunningBroker) -> None:
+    import torch
+
+    for value in (array(BIG, seed=19), torch.from_numpy(array(BIG, seed=20))):
+        program = Program()
+        # One blob, two uploads: each must be its own writable tensor.
+        first, second = (program.upload(kind="tensor", value=value) for _ in range(2))
+        source = "def zero_first(a, b):\n    a[:] = 0\n    return [float(a.sum()), float(b.sum())]\n"
+        module = program.upload(kind="module", source=source)
+        fn = program.get_function(module=module, name="zero_first")
+        program.return_(key="sums", value=program.run(fn=fn, args=[first, second]))
+        expected = expected_sum(np.asarray(value))
+        with Client(cache_broker.url) as client:
+            for _ in range(2):  # the second run reads the cache file the first one wrote into
+                result = client.execute(program)
+                assert result.completed, result.error
+                zeroed, untouched = result.results["sums"]
+                assert zeroed == 0.0
+                assert untouched == pytest.approx(expected, rel=1e-5)
 
 
 def test_returned_tensor_round_trips_through_frames(cache_broker: RunningBroker) -> None:
@@ -402,12 +423,15 @@ def test_large_blob_is_read_from_the_read_only_mount_in_bubblewrap(broker_factor
 # --- the worker's side ---------------------------------------------------------------------------
 
 
-def test_worker_maps_blob_files_read_only(tmp_path: Path) -> None:
+def test_worker_maps_blob_files_copy_on_write(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(b"abc" * 1000)
-    view = _map_blob(path)
-    assert view.readonly and bytes(view[:3]) == b"abc" and len(view) == 3000
-    assert isinstance(view.obj, mmap.mmap)
+    blobs = ProgramBlobs({}, {"d" * 64: path})
+    first, second = blobs["d" * 64], blobs["d" * 64]
+    assert isinstance(first.obj, mmap.mmap) and len(first) == 3000 and not first.readonly
+    first[:3] = b"xyz"  # private to this mapping: neither the file nor another use sees it
+    assert bytes(second[:3]) == b"abc"
+    assert path.read_bytes()[:3] == b"abc"
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     assert len(_map_blob(empty)) == 0

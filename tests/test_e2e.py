@@ -61,8 +61,17 @@ def test_large_bytes_round_trip(client: Client) -> None:
 
 
 NUMPY_DTYPES = ["float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"]
-TORCH_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-                torch.int32, torch.int64, torch.uint8, torch.bool]
+TORCH_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 SHAPES = [(), (0,), (3, 4), (2, 0, 5)]
 
 
@@ -85,7 +94,13 @@ def test_numpy_tensor_round_trip_all_dtypes(client: Client) -> None:
 
 
 def test_torch_tensor_round_trip_all_dtypes(client: Client) -> None:
-    source = "import torch\ndef check(t):\n    assert isinstance(t, torch.Tensor)\n    return t * 1 if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bool) else t\n"
+    source = (
+        "import torch\n"
+        "def check(t):\n"
+        "    assert isinstance(t, torch.Tensor)\n"
+        "    exact = (torch.float8_e4m3fn, torch.float8_e5m2, torch.bool)\n"
+        "    return t if t.dtype in exact else t * 1\n"
+    )
     program = Program()
     module = program.upload(kind="module", source=source)
     check = program.get_function(module=module, name="check")
@@ -155,8 +170,12 @@ def test_same_program_twice_and_new_process_each_time(client: Client) -> None:
         ("def f():\n    return 1 / 0\n", "f", "runtime", "run"),
         ("def f():\n    assert 1 == 2, 'wrong answer'\n", "f", "correctness", "run"),
         ("def f():\n    return object()\n", "f", "serialization", "return"),
-        ("from kcoral.errors import ExecutionError\ndef f():\n    raise ExecutionError('unavailable', 'no tool')\n",
-         "f", "unavailable", "run"),
+        (
+            "from kcoral.errors import ExecutionError\ndef f():\n    raise ExecutionError('unavailable', 'no tool')\n",
+            "f",
+            "unavailable",
+            "run",
+        ),
     ],
 )
 def test_instruction_error_kinds(client: Client, source: str, name: str, kind: str, op: str) -> None:

@@ -209,7 +209,7 @@ def probe(service: Sandboxed, spec: dict[str, Any], where: str = "probe") -> dic
     return out
 
 
-def refused(outcomes: dict[str, str]) -> dict[str, str]:
+def allowed(outcomes: dict[str, str]) -> dict[str, str]:
     """The attempts that succeeded: what a test wants empty."""
     return {target: outcome for target, outcome in outcomes.items() if outcome == "ok"}
 
@@ -248,7 +248,7 @@ def test_cannot_write_the_runtime_or_root_but_reads_readonly_paths(sandboxed: Sa
     escaped = [p for d in targets if d != str(BLOBS) for p in Path(d).glob("kcoral-probe-*")]
     for path in escaped:  # should the walls fail, leave the host as it was
         path.unlink()
-    assert refused(seen["write"]) == {".": "ok"}
+    assert allowed(seen["write"]) == {".": "ok"}
     assert seen["read"] == {data: "ok"}
     assert escaped == []
 
@@ -284,8 +284,8 @@ def test_running_programs_cannot_see_each_other(sandboxed: Sandboxed) -> None:
         finally:
             (host_path.parent / "release").write_text("")
         assert holding.result().results["out"] is True  # it was still running throughout
-    assert refused(seen["read"]) == {}
-    assert refused(seen["list"]) == {}
+    assert allowed(seen["read"]) == {}
+    assert allowed(seen["list"]) == {}
     assert seen["workspace"] == sorted([".shm", Path(seen["cwd"]).parent.name])  # its own run only
 
 
@@ -319,8 +319,8 @@ def follow(links, spec, data):
     assert result.completed, result.error
     seen = result.results["out"]
     assert seen["blob_bytes"] == len(big)  # its own blob arrives, through /blobs
-    assert refused(seen["read"]) == {}
-    assert refused(seen["list"]) == {}
+    assert allowed(seen["read"]) == {}
+    assert allowed(seen["list"]) == {}
 
 
 def test_no_network_not_even_the_broker(sandboxed: Sandboxed) -> None:
@@ -338,7 +338,7 @@ def test_no_network_not_even_the_broker(sandboxed: Sandboxed) -> None:
         seen = probe(sandboxed, {"connect": addresses})
         with pytest.raises(BlockingIOError):
             listener.accept()
-    assert refused(seen["connect"]) == {}
+    assert allowed(seen["connect"]) == {}
     assert seen["interfaces"] == ["lo"]
 
 
@@ -351,7 +351,7 @@ def test_child_processes_are_held_by_the_same_walls(sandboxed: Sandboxed, where:
         "connect": [["127.0.0.1", sandboxed.port]],
     }
     seen = probe(sandboxed, spec, where)
-    assert [refused(seen[kind]) for kind in ("write", "read", "list", "connect")] == [{}, {}, {}, {}]
+    assert [allowed(seen[kind]) for kind in ("write", "read", "list", "connect")] == [{}, {}, {}, {}]
     assert seen["interfaces"] == ["lo"]
 
 
@@ -406,6 +406,10 @@ def test_explicit_bubblewrap_that_cannot_run_refuses_to_start(tmp_path: Path) ->
     assert refused_start.returncode == EXIT_CONFIG, refused_start.stderr
     assert "Permission denied" in refused_start.stderr
     assert "--sandbox none" in refused_start.stderr  # the way out, named
+
+    no_such_path = [*argv, "--sandbox-readonly-path", str(tmp_path / "missing")]
+    missing = subprocess.run(no_such_path, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
 
     # Without --sandbox the broker falls back, and says so.
     with open(tmp_path / "default.log", "wb") as log:

@@ -432,3 +432,23 @@ def test_zygote_imports_nothing_a_program_planted_in_the_workspace(slots: Slots)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert json.loads(output(done)) == [True, None]
     assert launcher.workspace_inside(slots.workspace) == Path("/workspace")
+
+
+def test_import_paths_are_visible_read_only_but_not_the_working_directory(
+    slots: Slots, run_inside: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where a host keeps packages beside the interpreter's own (the GPU host: PYTHONPATH=/tmp/site).
+    extra = slots.root / "site"
+    extra.mkdir()
+    (extra / "extra_package.py").write_text("VALUE = 42\n")
+    (slots.root / "cwd-note.txt").write_text("the broker's working directory")
+    monkeypatch.syspath_prepend(str(extra))
+    monkeypatch.chdir(slots.root)
+    code = """
+    import json, os, sys
+    import extra_package
+    print(json.dumps([extra_package.VALUE, os.access(sys.argv[1], os.W_OK), os.path.exists(sys.argv[2])]))
+    """
+    environ = {**os.environ, "PYTHONPATH": str(extra)}
+    done = run_inside(slots.spec(), code, str(extra), str(slots.root / "cwd-note.txt"), environ=environ)
+    assert json.loads(output(done)) == [42, False, False]

@@ -183,7 +183,7 @@ def plan_fetch(path: str) -> Fetch:
     try:
         return Fetch(check_relative_path(path, "--fetch"))
     except ValueError as exc:
-        raise UsageError(f"{exc}; --fetch names a path relative to the remote working directory") from None
+        raise UsageError(str(exc)) from None
 
 
 def fetch_automatically(options: AdapterOptions, *paths: str) -> None:
@@ -270,6 +270,8 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
     None when there is none (the status then says why)."""
     from kcoral.client.client import Client
 
+    if not options.url:
+        return usage_error(options.tool, "no service: give --remote URL or set KCORAL_URL"), None
     try:
         program = build_program(options, function, args)
     except UsageError as exc:

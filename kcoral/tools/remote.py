@@ -47,7 +47,11 @@ def main(args: argparse.Namespace) -> int:
     folder, *evaluate_args = options.tool_args
     if not (Path(folder) / WORKLOAD_FILE).is_file():
         raise UsageError(f"{folder} is not a workload folder: it has no {WORKLOAD_FILE} defining evaluate(...)")
-    workload = plan_send(folder)
+    try:
+        workload = plan_send(folder)
+    except UsageError:
+        # "." or a path through "..": it has no relative place remotely, so it goes by its name.
+        workload = plan_send(str(Path(folder).resolve()))
     options.sends = [send for send in options.sends if send.dest != workload.dest] + [workload]
     status, outcome = execute(options, "evaluate_workload", [workload.dest, evaluate_args])
     if outcome is None:

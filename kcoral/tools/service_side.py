@@ -88,15 +88,16 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def run_step(step: dict[str, Any], deadline: float) -> int:
     """Run one step to completion or until ``deadline`` (time.monotonic); its exit status."""
     argv = [sys.executable if arg == PYTHON else str(arg) for arg in step["argv"]]
+    name = "python" if step["argv"][0] == PYTHON else argv[0]  # for messages
     executable = find_tool(argv[0])
     if executable is None:
-        _say(step.get("missing") or f"kcoral: {argv[0]}: command not found on the service")
+        _say(step.get("missing") or f"kcoral: {name}: command not found on the service")
         return EXIT_NOT_FOUND
     for folder in step.get("makedirs") or ():
         os.makedirs(folder, exist_ok=True)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        _say(f"kcoral: no time left to run {argv[0]} (raise --timeout)")
+        _say(f"kcoral: no time left to run {name} (raise --timeout)")
         return EXIT_TIMED_OUT
     sys.stdout.flush()
     sys.stderr.flush()
@@ -112,13 +113,13 @@ def run_step(step: dict[str, Any], deadline: float) -> int:
                 [executable, *argv[1:]], stdin=subprocess.DEVNULL, stdout=out, start_new_session=True
             )
         except OSError as exc:
-            _say(f"kcoral: cannot run {argv[0]}: {exc}")
+            _say(f"kcoral: cannot run {name}: {exc}")
             return EXIT_CANNOT_EXECUTE
         try:
             code = process.wait(remaining)
         except subprocess.TimeoutExpired:
             _stop(process)
-            _say(f"kcoral: {argv[0]} ran past the time limit and was stopped (raise --timeout)")
+            _say(f"kcoral: {name} ran past the time limit and was stopped (raise --timeout)")
             return EXIT_TIMED_OUT
     finally:
         if out is not None:

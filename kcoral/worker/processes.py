@@ -142,8 +142,8 @@ def children(pid: int) -> list[int]:
 _HAS_CHILDREN_LISTS = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
-def descendants(root: int, most: int | None = None) -> list[int]:
-    """Every process below ``root``, parents before their children; stop after ``most`` + 1.
+def descendants(root: int, most: int | None = None, spare: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """Every process below ``root`` but ``spare`` and theirs, parents first; stop after ``most`` + 1.
 
     The bound matters in a fork bomb: a walk of a tree that grows faster than it can be read
     would never end, and the watchdog only needs to know that the limit is passed.
@@ -156,7 +156,7 @@ def descendants(root: int, most: int | None = None) -> list[int]:
     else:
         lookup = None
     found: list[int] = []
-    seen = {root}
+    seen = {root, *spare}
     frontier = [root]
     while frontier:
         pid = frontier.pop()
@@ -187,19 +187,6 @@ def orphans_from_workers(exclude: set[int]) -> list[ProcessInfo]:
     return found
 
 
-def reap_children() -> list[tuple[int, int]]:
-    """Collect every child that has ended; (pid, wait status) of each."""
-    reaped: list[tuple[int, int]] = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return reaped
-        if pid == 0:
-            return reaped
-        reaped.append((pid, status))
-
-
 def kill_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:
@@ -225,29 +212,35 @@ def kill_processes(infos: Iterable[ProcessInfo]) -> None:
     kill_all(info.pid for info in chosen)
 
 
-def kill_descendants(root: int, *, reap: bool = True) -> list[ProcessInfo]:
+def kill_descendants(root: int, *, spare: frozenset[int] | set[int] = frozenset()) -> list[ProcessInfo]:
     """Kill every process below ``root`` until none is left; return those that were alive.
 
     ``root`` must be this process, a subreaper: a process killed mid-tree re-parents its children
-    to us, and the next round finds them. With ``reap`` we also collect the exit statuses of our
-    children, so none stays a zombie.
+    to us, and the next round finds them; we reap our children among them (by pid, so that the
+    exit status of another child is not taken). ``spare`` and their trees are left alone.
     """
+    me = os.getpid()
     killed: dict[int, ProcessInfo] = {}
     deadline = time.monotonic() + KILL_GIVE_UP_SECONDS
     while True:
-        if reap:
-            reap_children()
         alive = []
         remaining = False
-        for pid in descendants(root):
+        for pid in descendants(root, spare=spare):
             info = read_process(pid)
             if info is None:
                 continue
-            remaining = True
-            if not info.zombie:
+            if info.zombie:
+                if info.ppid == me:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+                    continue
+            else:
                 alive.append(info)
                 killed.setdefault(pid, info)
-        if not remaining or (not reap and not alive) or time.monotonic() > deadline:
+            remaining = True
+        if not remaining or time.monotonic() > deadline:
             return list(killed.values())
         kill_processes(alive)
         time.sleep(KILL_PAUSE_SECONDS)
@@ -426,7 +419,6 @@ __all__ = [
     "private_memory",
     "process_table",
     "read_process",
-    "reap_children",
     "set_child_subreaper",
     "set_parent_death_signal",
     "set_process_name",

@@ -4,13 +4,17 @@ A worker runs inside ``bwrap`` with every namespace unshared (network, pid, ipc,
 no capabilities, and a root filesystem assembled from scratch:
 
 * the Python runtime and system directories, read-only (``/usr``, ``/etc``, ``/opt``,
-  ``sys.prefix``, ``sys.base_prefix``, site-packages, the ``kcoral`` package);
+  ``sys.prefix``, ``sys.base_prefix``, site-packages, the rest of ``sys.path`` such as
+  ``PYTHONPATH``, and the ``kcoral`` package, but not the checkout around it nor the user
+  site-packages);
 * the slot's private workspace, writable, at ``/workspace`` (``HOME``, ``TMPDIR`` and the
   caches of torch, Triton and CUDA live under it);
 * the broker's ipc socket directory, read-only, at its host path (zmq ``ipc://`` paths must match;
   connecting to a socket needs no write access to its directory, and a read-only one keeps a
   program from deleting or replacing the broker's socket);
-* the broker's blob cache, read-only, at ``/blobs``;
+* the broker's blob cache, read-only, at ``/blobs`` (a program opens the blobs it was given by
+  digest; it cannot list the others' where the broker runs as root, see
+  :mod:`kcoral.broker.sandboxing`);
 * only the slot's ``/dev/nvidiaN`` and the NVIDIA control nodes;
 * an empty read-only ``/tmp``;
 * ``/dev/shm`` (POSIX shared memory and semaphores, torch's shared tensors): a private host
@@ -48,7 +52,9 @@ from pathlib import Path
 from typing import Final
 
 __all__ = [
+    "BLOBS",
     "SANDBOX_ENV",
+    "WORKSPACE",
     "SandboxSpec",
     "SandboxUnavailable",
     "check_bwrap",
@@ -257,10 +263,17 @@ def _runtime_candidates(spec: SandboxSpec) -> list[Path]:
     # A venv's interpreter is a symlink into the base installation: bind where it really lives.
     paths.append(Path(os.path.realpath(sys.executable)).parent)
     paths += [Path(p) for p in site.getsitepackages()]
-    if site.ENABLE_USER_SITE:
-        paths.append(Path(site.getusersitepackages()))
     # The package directory, not its parent: a checkout's parent holds more than code.
-    paths.append(Path(__file__).resolve().parent.parent)
+    package = Path(__file__).resolve().parent.parent
+    paths.append(package)
+    # Whatever else this interpreter imports from (PYTHONPATH, paths that .pth files add), since
+    # the zygote imports the same modules; but not the working directory (``python -m`` puts it
+    # first) nor the checkout that holds the package. The user site-packages is left out on
+    # purpose: a sandboxed zygote runs with -s (see kcoral.broker.sandboxing).
+    skipped = {_real(Path.cwd()), package.parent}
+    if site.ENABLE_USER_SITE:
+        skipped.add(_real(Path(site.getusersitepackages())))
+    paths += [Path(entry) for entry in sys.path if entry and _real(Path(entry)) not in skipped]
     paths += spec.readonly_paths
     return paths
 

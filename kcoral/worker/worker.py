@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,7 +126,7 @@ class Interpreter:
     """Executes one program's instructions in order inside ``run_dir``."""
 
     request: dict[str, Any]
-    blobs: dict[str, memoryview]
+    blobs: Mapping[str, memoryview]
     run_dir: Path
     lease: LeaseChannel
     progress: Callable[[int], None] = lambda index: None
@@ -392,8 +392,12 @@ class Interpreter:
 
     def _tensor(self, spec: protocol.TensorSpec) -> Any:
         assert isinstance(spec.source, str)
+        data = self._blob(spec.source)
+        # A private copy-on-write mapping (a large blob from the disk cache, mapped anew for each
+        # use) is already this tensor's own memory: build the tensor over it instead of copying.
+        private = isinstance(data.obj, mmap.mmap) and not data.readonly
         try:
-            return protocol.tensor_from_wire(spec, self._blob(spec.source), prefer_torch=True)
+            return protocol.tensor_from_wire(spec, data, prefer_torch=True, copy=not private)
         except protocol.WireError as exc:
             raise InstructionFailure("parse", str(exc)) from exc
 
@@ -552,7 +556,7 @@ def _program_error(kind: str, message: str) -> dict[str, Any]:
 
 def execute_program(
     request: dict[str, Any],
-    blobs: dict[str, memoryview],
+    blobs: Mapping[str, memoryview],
     workspace: Path,
     socket: zmq.Socket[bytes] | None,
     progress: Callable[[int], None] = lambda index: None,
@@ -709,15 +713,39 @@ def _create_cuda_context() -> None:
 
 
 def _map_blob(path: Path) -> memoryview:
-    """A large blob from the broker's disk cache, mapped read-only rather than read: its pages are
-    shared with the page cache, and the interpreter copies only what a program is given to own.
+    """A large blob from the broker's disk cache, mapped copy-on-write rather than read.
 
-    The broker keeps the file pinned while the program runs; the mapping survives its removal.
+    Its pages are the page cache's until the program writes to one, which then becomes private
+    (the file is opened read-only, and it is read-only in the sandbox). The broker keeps the file
+    pinned while the program runs; a mapping also outlives the file's removal.
     """
     with path.open("rb") as file:
         if os.fstat(file.fileno()).st_size == 0:
-            return memoryview(b"")  # mmap refuses empty files
-        return memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+            return memoryview(bytearray())  # mmap refuses empty files
+        return memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY))
+
+
+class ProgramBlobs(Mapping[str, memoryview]):
+    """A program's blobs by digest: the frames of its PROGRAM message, and the large blobs that
+    the broker named by path in its disk cache.
+
+    A path is mapped anew (copy-on-write) on every lookup, so two tensors made from one blob never
+    share memory, and neither is copied until the program writes to it.
+    """
+
+    def __init__(self, frames: dict[str, memoryview], paths: dict[str, Path]) -> None:
+        self._frames = frames
+        self._paths = paths
+
+    def __getitem__(self, digest: str) -> memoryview:
+        path = self._paths.get(digest)
+        return self._frames[digest] if path is None else _map_blob(path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self._frames), **dict.fromkeys(self._paths)})
+
+    def __len__(self) -> int:
+        return len(self._frames.keys() | self._paths.keys())
 
 
 def _execute_message(
@@ -728,14 +756,17 @@ def _execute_message(
         digests = body.get("blobs", [])
         if not isinstance(digests, list) or len(digests) != len(data):
             raise protocol.WireError("PROGRAM blob list does not match its frames")
-        blobs = {protocol.check_digest(d): memoryview(f) for d, f in zip(digests, data)}
-        paths = body.get("blob_paths") or {}
-        if not isinstance(paths, dict):
+        frames = {protocol.check_digest(d): memoryview(f) for d, f in zip(digests, data)}
+        named = body.get("blob_paths") or {}
+        if not isinstance(named, dict):
             raise protocol.WireError("PROGRAM blob_paths must be a map")
-        for digest, path in paths.items():
+        paths: dict[str, Path] = {}
+        for digest, path in named.items():
             if not isinstance(path, str):
                 raise protocol.WireError("PROGRAM blob_paths values must be paths")
-            blobs[protocol.check_digest(digest)] = _map_blob(Path(path))
+            paths[protocol.check_digest(digest)] = Path(path)
+            _map_blob(paths[digest])  # unreadable: fail now, as a program the worker cannot read
+        blobs = ProgramBlobs(frames, paths)
 
         def progress(index: int) -> None:
             processes.note_progress(index)  # survives the worker, unlike a message still queued

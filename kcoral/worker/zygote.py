@@ -42,6 +42,7 @@ FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
+RETIRE_GRACE_SECONDS = 5.0  # a worker that said it was done has this long to exit
 KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
 WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples a worker's tree
 EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
@@ -81,8 +82,13 @@ def wipe(directory: Path) -> None:
                 pass
 
 
-def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int) -> None:
-    """In the forked child: set the process up and run the worker loop; never returns."""
+def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done_fd: int) -> None:
+    """In the forked child: set the process up and run the worker loop; never returns.
+
+    When the loop ends normally (its last result sent), the worker writes a byte to ``done_fd``
+    before it exits: the zygote forks the replacement at once instead of waiting for the exit,
+    which takes a while for a process with a CUDA context.
+    """
     code = EXIT_WORKER_CRASHED
     try:
         os.setsid()  # its own session and group: one killpg reaches what it starts
@@ -122,6 +128,8 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int) -> N
                 max_programs=settings.max_programs,
             )
         )
+        if code == 0:
+            os.write(done_fd, b"\x01")
     except BaseException:
         traceback.print_exc()
     finally:
@@ -129,24 +137,36 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int) -> N
 
 
 @dataclass
-class WorkerEnd:
-    status: int | None
-    reason: str = ""  # why we killed it, when we did
-    requested: bool = False  # the broker asked for the kill
+class Child:
+    """A worker the zygote forked, and the descriptors it is watched through."""
+
+    pid: int
+    identity: str
+    pidfd: int | None  # readable when it has ended
+    done_fd: int | None  # readable when it has sent its last result (or ended)
+    started: float
+    kill_reason: str = ""  # why we killed it, when we did
+    kill_requested: bool = False  # the broker asked for the kill
+    retired_at: float | None = None  # when it said it was done: now it is only exiting
 
 
 class Zygote:
-    """Forks workers for one slot, one at a time, and reports their exits."""
+    """Forks workers for one slot, one at a time, and reports their exits.
+
+    One worker of the slot at a time serves: the ``current`` one. A worker that has sent its last
+    result becomes ``retiring`` while it exits, and its replacement is forked meanwhile; a retiring
+    worker that does not exit within RETIRE_GRACE_SECONDS is killed.
+    """
 
     def __init__(self, settings: ZygoteSettings) -> None:
         self.settings = settings
         self.generation = 0
         self.stopping = False
-        self.worker_pid: int | None = None
+        self.current: Child | None = None
+        self.retiring: dict[int, Child] = {}
         self.selector = selectors.DefaultSelector()
         self.pending_input = b""
-        self.kill_reason = ""
-        self.kill_requested = False
+        self.crashes = 0
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -176,111 +196,160 @@ class Zygote:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(0, selectors.EVENT_READ, "commands")
         emit("ready", pid=os.getpid(), slot=self.settings.slot, eager_cuda=self.settings.eager_cuda)
-        crashes = 0
         while not self.stopping:
-            wipe(self.settings.workspace)
-            started = time.monotonic()
-            end = self.run_one_worker()
-            crashed = (
-                end.status is not None
-                and os.waitstatus_to_exitcode(end.status) != 0
-                and not end.requested
-                and not end.reason
-                and time.monotonic() - started < FAST_EXIT_SECONDS
-            )
-            # Only workers that die fast, unasked and unexplained (a broken install, a crash at
-            # start-up) count: programs end workers all the time, and that must not slow us.
-            crashes = crashes + 1 if crashed else 0
-            if crashes > CRASH_LOOP_AFTER:
-                time.sleep(
-                    min(MAX_FORK_BACKOFF_SECONDS, CRASH_BACKOFF_FIRST_SECONDS * 2 ** (crashes - CRASH_LOOP_AFTER))
-                )
+            if self.current is None:
+                if self.crashes > CRASH_LOOP_AFTER:
+                    time.sleep(
+                        min(
+                            MAX_FORK_BACKOFF_SECONDS,
+                            CRASH_BACKOFF_FIRST_SECONDS * 2 ** (self.crashes - CRASH_LOOP_AFTER),
+                        )
+                    )
+                wipe(self.settings.workspace)
+                self.fork_worker()
+            self.wait_for_event()
+        for child in self.children():
+            self.kill(child, "")
+        while self.current is not None or self.retiring:
+            self.wait_for_event()
         wipe(self.settings.workspace)
         return 0
 
-    def run_one_worker(self) -> WorkerEnd:
+    def children(self) -> list[Child]:
+        return ([self.current] if self.current is not None else []) + list(self.retiring.values())
+
+    def fork_worker(self) -> None:
         self.generation += 1
         identity = f"w{self.settings.slot}-{os.getpid()}-{self.generation}"
-        self.kill_reason = ""
-        self.kill_requested = False
+        done_read, done_write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity, zygote_pid)
-        self.worker_pid = pid
+            os.close(done_read)
+            become_worker(self.settings, identity, zygote_pid, done_write)
+        os.close(done_write)
+        try:
+            pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pidfd = None  # old kernels: wait_for_event polls instead
+        child = Child(pid, identity, pidfd, done_read, time.monotonic())
+        if pidfd is not None:
+            self.selector.register(pidfd, selectors.EVENT_READ, ("exit", child))
+        self.selector.register(done_read, selectors.EVENT_READ, ("done", child))
         if processes.BOARD is not None:
             processes.BOARD.note(None)
+        self.current = child
         emit("forked", worker=identity, pid=pid)
-        status = self.wait_for(pid)
-        self.worker_pid = None
-        leftovers = processes.kill_descendants(os.getpid())
+
+    def wait_for_event(self) -> None:
+        """Handle what happens next: a command, a worker done or ended, a watchdog sample."""
+        children = self.children()
+        polled = any(c.pidfd is None for c in children) or self.retiring
+        timeout = WATCH_INTERVAL_SECONDS if (self.settings.watched and children) or polled else None
+        for key, _ in self.selector.select(timeout=timeout):
+            if key.data == "commands":
+                self.read_commands()
+                continue
+            what, child = key.data
+            if what == "done":
+                self.on_done(child)
+            else:
+                self.on_exit(child)
+        now = time.monotonic()
+        for child in self.children():
+            if child.pidfd is None:
+                self.on_exit(child)
+            elif child.retired_at is not None and now - child.retired_at > RETIRE_GRACE_SECONDS:
+                self.kill(child, "it did not exit after its last result")
+        if self.settings.watched:
+            self.watch()
+
+    def on_done(self, child: Child) -> None:
+        if child.done_fd is None:  # closed by on_exit in the same round of events
+            return
+        try:
+            said = os.read(child.done_fd, 1)
+        except OSError:
+            said = b""
+        self.selector.unregister(child.done_fd)
+        os.close(child.done_fd)
+        child.done_fd = None
+        if said and child is self.current:  # an empty read is an exit: on_exit reports it
+            self.current = None
+            child.retired_at = time.monotonic()
+            self.retiring[child.pid] = child
+            self.crashes = 0
+
+    def on_exit(self, child: Child) -> None:
+        if child is not self.current and child.pid not in self.retiring:
+            return  # reported already, in the same round of events
+        try:
+            pid, status = os.waitpid(child.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = child.pid, None
+        if pid == 0:
+            return  # not yet
+        for fd in (child.pidfd, child.done_fd):
+            if fd is not None:
+                self.selector.unregister(fd)
+                os.close(fd)
+        child.pidfd = child.done_fd = None
+        serving = child is self.current
+        if serving:
+            self.current = None
+        self.retiring.pop(child.pid, None)
+        # What it left behind came to us (we are the subreaper): kill it, sparing the others.
+        leftovers = processes.kill_descendants(os.getpid(), spare={c.pid for c in self.children()})
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
             "exited",
-            worker=identity,
-            pid=pid,
+            worker=child.identity,
+            pid=child.pid,
             returncode=returncode if returncode is None or returncode >= 0 else None,
             signal=-returncode if returncode is not None and returncode < 0 else None,
             leftovers_killed=len(leftovers),
-            reason=self.kill_reason,
-            instruction_index=processes.BOARD.read() if processes.BOARD is not None else None,
+            reason=child.kill_reason,
+            instruction_index=processes.BOARD.read() if serving and processes.BOARD is not None else None,
         )
-        return WorkerEnd(status, self.kill_reason, self.kill_requested)
-
-    def wait_for(self, pid: int) -> int | None:
-        pidfd = None
-        try:
-            pidfd = os.pidfd_open(pid)
-            self.selector.register(pidfd, selectors.EVENT_READ, "worker")
-        except (AttributeError, OSError):
-            pidfd = None
-        watched = self.settings.watched
-        timeout = WATCH_INTERVAL_SECONDS if watched or pidfd is None else None
-        try:
-            while True:
-                try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    return None
-                if done:
-                    return status
-                for key, _ in self.selector.select(timeout=timeout):
-                    if key.data == "commands":
-                        self.read_commands()
-                if watched and not self.kill_reason:
-                    self.watch()
-        finally:
-            if pidfd is not None:
-                self.selector.unregister(pidfd)
-                os.close(pidfd)
+        if serving:
+            # Only workers that die fast, unasked and unexplained (a broken install, a crash at
+            # start-up) count: programs end workers all the time, and that must not slow us.
+            crashed = (
+                returncode not in (None, 0)
+                and not child.kill_requested
+                and not child.kill_reason
+                and time.monotonic() - child.started < FAST_EXIT_SECONDS
+            )
+            self.crashes = self.crashes + 1 if crashed else 0
 
     def watch(self) -> None:
-        """One watchdog sample of the worker's tree: kill it all if it breaks a limit."""
+        """One watchdog sample of each worker's tree: kill a tree that breaks a limit."""
         most = self.settings.limits.get("processes") or None
-        tree = processes.descendants(os.getpid(), most)
-        breach = processes.limit_breach(tree, self.settings.limits)
-        if breach is not None:
-            self.kill_worker(f"the zygote killed it: {breach}")
+        for child in self.children():
+            if child.kill_reason:
+                continue
+            tree = [child.pid, *processes.descendants(child.pid, most)]
+            breach = processes.limit_breach(tree, self.settings.limits)
+            if breach is not None:
+                self.kill(child, f"the zygote killed it: {breach}")
 
-    def kill_worker(self, reason: str) -> None:
-        """Kill the worker and everything below us now; the worker itself is reaped by wait_for."""
-        if not self.kill_reason:
-            self.kill_reason = reason
-        if self.worker_pid is not None:
-            _kill_group(self.worker_pid)
-        # No reaping here: wait_for must collect the worker's own exit status. The walk is bounded
-        # (the group kill above got the bulk); kill_descendants finishes the job once it is dead.
-        tree = processes.descendants(os.getpid(), KILL_WALK_MOST)
+    def kill(self, child: Child, reason: str) -> None:
+        """Kill a worker and everything it started; on_exit reaps it and reports."""
+        if not child.kill_reason:
+            child.kill_reason = reason
+        _kill_group(child.pid)
+        # The group kill got the bulk; this bounded walk gets those in other groups, and
+        # kill_descendants in on_exit whatever is left once the worker is gone.
+        tree = processes.descendants(child.pid, KILL_WALK_MOST)
         processes.kill_processes(info for info in map(processes.read_process, tree) if info is not None)
 
     def read_commands(self) -> None:
         chunk = os.read(0, 65536)
-        if not chunk:  # the broker is gone: stop, taking the worker with us
-            self.stopping = True
+        if not chunk:  # the broker is gone: stop, taking the workers with us
             self.selector.unregister(0)
-            self.kill_worker("the broker went away")
+            self.stop("the broker went away")
             return
         self.pending_input += chunk
         while b"\n" in self.pending_input:
@@ -289,18 +358,20 @@ class Zygote:
                 command = json.loads(line)
             except ValueError:
                 continue
-            if command.get("cmd") == "kill":
-                self.kill_requested = True
-                self.kill_worker("")
+            if command.get("cmd") == "kill" and self.current is not None:
+                self.current.kill_requested = True
+                self.kill(self.current, "")
             elif command.get("cmd") == "stop":
-                self.stopping = True
-                self.kill_requested = True
-                self.kill_worker("")
+                self.stop("")
+
+    def stop(self, reason: str) -> None:
+        self.stopping = True
+        for child in self.children():
+            child.kill_requested = True
+            self.kill(child, reason)
 
     def _on_broker_death(self, signum: int, frame: Any) -> None:
-        self.stopping = True
-        self.kill_requested = True
-        self.kill_worker("the broker went away")
+        self.stop("the broker went away")
 
 
 def _kill_group(pid: int) -> None:

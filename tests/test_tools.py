@@ -1,0 +1,420 @@
+"""The command-line adapters (``kcoral python``, ``ncu``, ``sanitizer``, ``iket``, ``remote``), run as
+real ``python -m kcoral.cli`` subprocesses against a real broker on loopback.
+
+Nsight Compute, Compute Sanitizer and run-iket are not installed here, so their "not installed"
+answers are tested as they are, and their happy paths with small stand-ins put on the broker's PATH
+for the length of one test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kcoral.tools import service_side
+from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
+from tests.conftest import BrokerFactory, RunningBroker, free_port, start_broker
+
+ADAPTER_TIMEOUT_S = 60.0  # a bound for one adapter run, never reached when things work
+
+
+@pytest.fixture(scope="module")
+def fake_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder first on the broker's PATH; empty except while a test puts a stand-in tool there."""
+    return tmp_path_factory.mktemp("fake-bin")
+
+
+@pytest.fixture(scope="module")
+def tool_broker(tmp_path_factory: pytest.TempPathFactory, fake_bin: Path) -> Iterator[RunningBroker]:
+    broker = start_broker(
+        tmp_path_factory.mktemp("tools-broker"),
+        "--workers",
+        "2",
+        env={"PATH": f"{fake_bin}{os.pathsep}{os.environ.get('PATH', '')}"},
+    )
+    yield broker
+    broker.stop()
+
+
+def kcoral(cwd: Path, url: str | None, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kcoral ARGV`` in ``cwd`` with KCORAL_URL set to ``url``."""
+    env = dict(os.environ)
+    env.pop("KCORAL_URL", None)
+    if url is not None:
+        env["KCORAL_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "kcoral.cli", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ADAPTER_TIMEOUT_S,
+    )
+
+
+def install_tool(folder: Path, name: str, source: str) -> Path:
+    """A stand-in for a GPU tool: a Python script named ``name``, executable."""
+    path = folder / name
+    path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(source))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+# --- kcoral python ---
+
+
+def test_python_prints_remote_output_and_exits_with_its_status(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    done = kcoral(
+        tmp_path,
+        tool_broker.url,
+        "python",
+        "--",
+        "-c",
+        "import sys; print('hi'); print('oops', file=sys.stderr); sys.exit(3)",
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "hi\n"
+    assert "oops" in done.stderr
+
+
+def test_python_sends_files_and_folders_and_fetches_them_back(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "inputs" / "nested").mkdir()
+    (tmp_path / "inputs" / "nested" / "n.txt").write_text("nested input")
+    (tmp_path / "config.txt").write_text("scale=3")
+    (tmp_path / "experiment.py").write_text(
+        textwrap.dedent(
+            """
+            import pathlib, sys
+            scale = int(pathlib.Path("config.txt").read_text().split("=")[1])
+            text = pathlib.Path("inputs/nested/n.txt").read_text()
+            print(text, scale, sys.argv[1:])
+            out = pathlib.Path("results/deep")
+            out.mkdir(parents=True)
+            (out / "r.txt").write_text(str(scale * 2))
+            pathlib.Path("results/top.txt").write_text("top")
+            pathlib.Path("summary.txt").write_text("fresh")
+            """
+        )
+    )
+    (tmp_path / "summary.txt").write_text("stale")  # a fetched file replaces what is here
+    done = kcoral(
+        tmp_path,
+        tool_broker.url,
+        "python",
+        "--send",
+        "config.txt",
+        "--send",
+        "inputs",
+        "--fetch",
+        "summary.txt",
+        "--fetch",
+        "results",
+        "--fetch",
+        "never-written.txt",
+        "--",
+        "experiment.py",  # sent without --send: it is a local file
+        "a",
+        "b",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "nested input 3 ['a', 'b']\n"
+    assert (tmp_path / "summary.txt").read_text() == "fresh"
+    assert (tmp_path / "results" / "top.txt").read_text() == "top"
+    assert (tmp_path / "results" / "deep" / "r.txt").read_text() == "6"
+    assert "--fetch never-written.txt: no such file or folder" in done.stderr
+    assert not (tmp_path / "never-written.txt").exists()
+
+
+def test_python_runs_a_module_from_a_sent_package(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    package = tmp_path / "kernels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "check.py").write_text("import sys\nprint('checked', sys.argv[1])\n")
+    done = kcoral(tmp_path, tool_broker.url, "python", "--send", "kernels", "--", "-m", "kernels.check", "gemm")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "checked gemm\n"
+
+
+def test_an_absolute_send_goes_under_its_base_name(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "weights").mkdir(parents=True)
+    (elsewhere / "table.txt").write_text("table")
+    (elsewhere / "weights" / "w.txt").write_text("w")
+    script = elsewhere / "probe.py"
+    script.write_text("print(open('table.txt').read(), open('weights/w.txt').read())\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    done = kcoral(
+        work,
+        tool_broker.url,
+        "python",
+        "--send",
+        str(elsewhere / "table.txt"),
+        "--send",
+        str(elsewhere / "weights"),
+        "--",
+        str(script),  # an absolute script is sent as probe.py and run under that name
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "table w\n"
+
+
+def test_a_tool_past_its_timeout_is_stopped_and_its_output_kept(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = kcoral(
+        tmp_path,
+        tool_broker.url,
+        "python",
+        "--timeout",
+        "2",
+        "--",
+        "-c",
+        "import time; print('started', flush=True); time.sleep(60)",
+    )
+    assert done.returncode == 124, done.stderr
+    assert done.stdout == "started\n"
+    assert "ran past the time limit" in done.stderr
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--send", "no-such-file", "--", "-c", "1"], "--send no-such-file: no such file or folder"),
+        (["--send", "../outside", "--", "-c", "1"], "contains '..'"),
+        (["--fetch", "/etc/hostname", "--", "-c", "1"], "is absolute"),
+        ([], "after --"),
+        (["--remote", "http://example.com", "--", "-c", "1"], "bad service URL"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(tmp_path: Path, argv: list[str], message: str) -> None:
+    (tmp_path / "outside").write_text("x")
+    work = tmp_path / "work"
+    work.mkdir()
+    done = kcoral(work, "tcp://127.0.0.1:1", "python", *argv)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_no_service_url_is_a_usage_error(tmp_path: Path) -> None:
+    done = kcoral(tmp_path, None, "python", "--", "-c", "1")
+    assert done.returncode == 2
+    assert "--remote URL or set KCORAL_URL" in done.stderr
+
+
+def test_an_unreachable_service_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    done = kcoral(tmp_path, url, "python", "--connect-timeout", "1", "--", "-c", "print(1)")
+    assert done.returncode == 69
+    assert f"no answer from {url}" in done.stderr
+    assert done.stdout == ""
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.bubblewrap
+def test_python_sends_and_fetches_inside_the_sandbox(broker_factory: BrokerFactory, tmp_path: Path) -> None:
+    try:
+        check_bwrap()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"bwrap cannot run here: {exc}")
+    broker = broker_factory("--workers", "1", "--sandbox", "bubblewrap")
+    (tmp_path / "inputs").mkdir()
+    (tmp_path / "inputs" / "x.txt").write_text("inside")
+    code = (
+        "import os, pathlib; print(open('inputs/x.txt').read(), os.getcwd().startswith('/workspace'));"
+        "pathlib.Path('made/sub').mkdir(parents=True); pathlib.Path('made/sub/y.txt').write_text('y')"
+    )
+    done = kcoral(tmp_path, broker.url, "python", "--send", "inputs", "--fetch", "made", "--", "-c", code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "inside True\n"
+    assert (tmp_path / "made" / "sub" / "y.txt").read_text() == "y"
+
+
+# --- ncu, sanitizer, iket ---
+
+
+@pytest.mark.parametrize(
+    ("adapter", "program"),
+    [("ncu", "ncu"), ("sanitizer", "compute-sanitizer"), ("iket", "run-iket")],
+)
+def test_a_tool_missing_on_the_service_exits_127_and_says_so(
+    tool_broker: RunningBroker, tmp_path: Path, adapter: str, program: str
+) -> None:
+    (tmp_path / "bench.py").write_text("print('should not run')\n")
+    done = kcoral(tmp_path, tool_broker.url, adapter, "--", "bench.py")
+    assert done.returncode == 127, done.stderr
+    assert f"{program}" in done.stderr and "not installed on the service" in done.stderr
+    assert "should not run" not in done.stdout
+    assert "--fetch" not in done.stderr  # the report it never wrote is not complained about
+    assert list(tmp_path.iterdir()) == [tmp_path / "bench.py"]
+
+
+FAKE_NCU = """
+import pathlib, subprocess, sys
+args = sys.argv[1:]
+if "--import" in args:
+    print('"ID","Kernel Name","gpu__time_duration.sum"')
+    print('"0","fake_kernel","1234"')
+    sys.exit(0)
+name = args[args.index("-o") + 1]
+target = args[args.index("-o") + 2 :]
+pathlib.Path(name + ".ncu-rep").write_text("report of " + " ".join(target[1:]))
+print("==PROF== fake ncu", file=sys.stderr, flush=True)
+sys.exit(subprocess.call(target))
+"""
+
+
+def test_ncu_fetches_the_report_and_its_csv(tool_broker: RunningBroker, fake_bin: Path, tmp_path: Path) -> None:
+    tool = install_tool(fake_bin, "ncu", FAKE_NCU)
+    try:
+        (tmp_path / "bench.py").write_text("import sys\nprint('benching', sys.argv[1])\nsys.exit(5)\n")
+        done = kcoral(tmp_path, tool_broker.url, "ncu", "--report", "prof/gemm", "--", "bench.py", "4096")
+    finally:
+        tool.unlink()
+    assert done.returncode == 5, done.stderr  # the profiled script's status, through ncu
+    assert done.stdout == "benching 4096\n"
+    assert "==PROF== fake ncu" in done.stderr
+    assert (tmp_path / "prof" / "gemm.ncu-rep").read_text() == "report of bench.py 4096"
+    assert "fake_kernel" in (tmp_path / "prof" / "gemm.csv").read_text()
+    assert "saved prof/gemm.ncu-rep" in done.stderr
+
+
+FAKE_RUN_IKET = """
+import pathlib, subprocess, sys
+args = sys.argv[1:]
+out = pathlib.Path(args[args.index("--output-dir") + 1])
+out.mkdir(parents=True, exist_ok=True)
+code = subprocess.call(args[args.index("--") + 1 :])
+(out / "trace.perfetto.json").write_text('{"traceEvents": []}')
+(out / "stages").mkdir(exist_ok=True)
+(out / "stages" / "mainloop.json").write_text("[]")
+pathlib.Path("intermediate.ptx").write_text("// ptx")
+sys.exit(code)
+"""
+
+
+def test_iket_fetches_the_trace_folder_and_named_files(
+    tool_broker: RunningBroker, fake_bin: Path, tmp_path: Path
+) -> None:
+    tool = install_tool(fake_bin, "run-iket", FAKE_RUN_IKET)
+    try:
+        (tmp_path / "kernel.py").write_text("print('traced')\n")
+        done = kcoral(tmp_path, tool_broker.url, "iket", "--fetch", "intermediate.ptx", "--", "kernel.py")
+    finally:
+        tool.unlink()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "traced\n"
+    assert json.loads((tmp_path / "iket-trace" / "trace.perfetto.json").read_text()) == {"traceEvents": []}
+    assert (tmp_path / "iket-trace" / "stages" / "mainloop.json").read_text() == "[]"
+    assert (tmp_path / "intermediate.ptx").read_text() == "// ptx"
+
+
+# --- kcoral remote ---
+
+
+WORKLOAD = """
+import numpy as np
+from reference import expected
+
+def evaluate(variant, size="4"):
+    data = open("data.txt").read().split()
+    print("evaluating", variant, "on", len(data), "values")
+    result = np.arange(int(size), dtype=np.float32) * 2
+    return {
+        "correct": variant == "candidate" and result.tolist() == expected(int(size)),
+        "max_error": np.float32(0.0),
+        "result": result,
+        "variant": variant,
+    }
+"""
+
+
+def make_workload(root: Path) -> Path:
+    folder = root / "workloads" / "double"
+    folder.mkdir(parents=True)
+    (folder / "workload.py").write_text(textwrap.dedent(WORKLOAD))
+    (folder / "reference.py").write_text("def expected(n):\n    return [2.0 * i for i in range(n)]\n")
+    (folder / "data.txt").write_text("1 2 3")
+    return folder
+
+
+def report_of(stdout: str) -> dict[str, object]:
+    # The report is the JSON after the workload's own output.
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("{"))
+    return dict(json.loads("\n".join(lines[start:])))
+
+
+def test_remote_evaluates_a_workload_and_prints_its_report(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    make_workload(tmp_path)
+    done = kcoral(tmp_path, tool_broker.url, "remote", "--", "workloads/double", "candidate", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("evaluating candidate on 3 values\n")
+    assert report_of(done.stdout) == {
+        "correct": True,
+        "max_error": 0.0,
+        "result": [0.0, 2.0, 4.0],
+        "variant": "candidate",
+    }
+
+
+def test_remote_exits_1_when_the_report_is_not_correct(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    folder = make_workload(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    done = kcoral(work, tool_broker.url, "remote", "--", str(folder), "baseline")  # absolute: sent as double/
+    assert done.returncode == 1, done.stderr
+    assert report_of(done.stdout)["correct"] is False
+
+
+def test_remote_reports_a_failing_workload_with_its_traceback(tool_broker: RunningBroker, tmp_path: Path) -> None:
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "workload.py").write_text("def evaluate():\n    raise ValueError('no kernel today')\n")
+    done = kcoral(tmp_path, tool_broker.url, "remote", "--", "broken")
+    assert done.returncode == 70
+    assert "ValueError: no kernel today" in done.stderr
+    assert "workload.py" in done.stderr  # the traceback points into the workload
+
+
+def test_remote_refuses_a_folder_without_workload_py(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    done = kcoral(tmp_path, "tcp://127.0.0.1:1", "remote", "--", "empty")
+    assert done.returncode == 2
+    assert "has no workload.py" in done.stderr
+
+
+# --- the uploaded code, run here ---
+
+
+def test_run_steps_reports_a_signal_as_128_plus_its_number(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    kill_self = f"import os; os.kill(os.getpid(), {int(signal.SIGKILL)})"
+    outcome = service_side.run_steps([{"argv": [service_side.PYTHON, "-c", kill_self]}], 30.0, [])
+    assert outcome == {"exit_code": 128 + signal.SIGKILL, "fetched": []}
+
+
+def test_stage_fetches_refuses_links_out_of_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "secret.txt").write_text("secret")
+    monkeypatch.chdir(work)
+    Path("link.txt").symlink_to(tmp_path / "secret.txt")
+    Path("real.txt").write_text("real")
+    kinds = service_side.stage_fetches(["link.txt", "real.txt", "absent"])
+    assert kinds == ["outside", "file", "missing"]
+    assert sorted(p.name for p in Path(service_side.FETCH_STAGE).iterdir()) == ["1"]
