@@ -21,6 +21,8 @@ EXIT_UNAVAILABLE = 69  # the service could not be reached
 EXIT_CONFIG = 78  # the broker cannot start with these settings
 
 DEFAULT_BROKER_URL = "tcp://127.0.0.1:5555"
+DEFAULT_ROUTER_URL = "tcp://127.0.0.1:6000"
+DEFAULT_ROUTER_NODES_URL = "tcp://127.0.0.1:6001"
 
 # Default per-worker limits (see kcoral.worker.processes for how each is enforced). Generous for
 # real work, tight enough that a runaway program fails with a message naming the limit before it
@@ -92,6 +94,12 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
+
+
+def _node_id(text: str) -> str:
+    if not protocol.ID_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"a node id is 1 to 200 of letters, digits and '_.:-', not {text!r}")
+    return text
 
 
 def _absolute_path(text: str) -> Path:
@@ -182,7 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", type=_absolute_path, default=None, help="sockets and workspaces (default: a temp dir)"
     )
     broker.add_argument("--upstream", default=None, help="a router's nodes endpoint to join")
-    broker.add_argument("--node-id", default=None)
+    broker.add_argument(
+        "--node-id", type=_node_id, default=None, help="this host's name at the router (default: HOSTNAME:PORT)"
+    )
+
+    router = sub.add_parser("router", help="one endpoint for the brokers of many GPU hosts")
+    router.add_argument("--listen", default=DEFAULT_ROUTER_URL, help="where clients connect")
+    router.add_argument("--nodes-listen", default=DEFAULT_ROUTER_NODES_URL, help="where host brokers connect")
+    router.add_argument("--max-queued", type=_positive, default=1024)
+    router.add_argument("--queue-timeout", type=_positive_seconds, default=3600.0, help="seconds a program may wait")
+    router.add_argument(
+        "--node-wait",
+        type=_positive_seconds,
+        default=None,
+        help="seconds programs wait for a node while none is registered, then are refused (default 10)",
+    )
+    router.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
 
     status = sub.add_parser("status", help="show a broker's or router's capacity, queue, leases, workers")
     status.add_argument("url", nargs="?", default=None)
@@ -200,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_json)
     if args.command == "broker":
         return _broker(args)
+    if args.command == "router":
+        return _router(args)
     if args.command == "status":
         return _status(args)
     if getattr(args, "adapter", None) is not None:
@@ -270,12 +295,38 @@ def _broker(args: argparse.Namespace) -> int:
         negotiation_timeout_seconds=args.negotiation_timeout or NEGOTIATION_TIMEOUT_SECONDS,
         run_dir=args.run_dir,
         limits={k: v for k, v in limits.items() if v},
+        upstream=args.upstream,
+        node_id=args.node_id,
     )
     install_event_loop_policy()
     try:
         return asyncio.run(run_broker(settings))
     except (TargetError, SandboxUnavailable) as exc:
         log.error("broker_cannot_start", error=str(exc))
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _router(args: argparse.Namespace) -> int:
+    import zmq
+
+    from kcoral.broker.broker import install_event_loop_policy
+    from kcoral.broker.router import NODE_WAIT_SECONDS, RouterSettings, run_router
+
+    settings = RouterSettings(
+        listen=args.listen,
+        nodes_listen=args.nodes_listen,
+        max_queued=args.max_queued,
+        queue_timeout_seconds=args.queue_timeout,
+        node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
+        max_request_bytes=args.max_request_bytes,
+    )
+    install_event_loop_policy()
+    try:
+        return asyncio.run(run_router(settings))
+    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
+        structlog.get_logger("kcoral.cli").error("router_cannot_start", error=str(exc))
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return EXIT_OK
@@ -314,7 +365,12 @@ def _status(args: argparse.Namespace) -> int:
         f"hits={cache.get('hits')} misses={cache.get('misses')}"
     )
     for node in health.get("nodes", []) or []:
-        print(f"  node {node}")
+        load = node.get("load") or {}
+        print(
+            f"  node {node.get('node_id')} {node.get('state')} gpus={node.get('gpus')} "
+            f"slots={load.get('request_capacity')} running={load.get('requests_in_progress')} "
+            f"in_flight={node.get('in_flight')} last_heard={node.get('last_heard_s')}s"
+        )
     return EXIT_OK
 
 

@@ -571,3 +571,65 @@ def program_digests(program: dict[str, Any]) -> list[str]:
             if key in ins:
                 decode_value(ins[key], visit)
     return list(found)
+
+
+# --- federation: host broker (node) <-> router ------------------------------------------------
+# A host broker started with --upstream runs a relay (kcoral/broker/upstream.py) that connects a
+# DEALER to the router's nodes endpoint. Besides the commands below, that link carries client
+# messages unchanged: router -> node EXECUTE, BLOBS, CANCEL; node -> router PARTIAL, FINAL. Both
+# sides send NODE_HEARTBEAT every HEARTBEAT_INTERVAL_SECONDS and take the other for dead after
+# HEARTBEAT_LIVENESS intervals of silence; the node then registers again, under a new identity.
+
+# node -> router, repeated every interval until answered: node_id, instance_id, hostname,
+# gpu_count, fake_gpus, status, load, target, versions (the fields of the broker's health)
+NODE_REGISTER: Final = b"\x30"
+NODE_REGISTERED: Final = b"\x31"  # router -> node: instance_id (the router's)
+NODE_HEARTBEAT: Final = b"\x32"  # node -> router: status, load; router -> node: {}
+NODE_DISCONNECT: Final = b"\x33"  # router -> node: "unknown node, register again"; node -> router: leaving
+
+NODE_COMMANDS: Final = frozenset({NODE_REGISTER, NODE_REGISTERED, NODE_HEARTBEAT, NODE_DISCONNECT})
+COMMAND_NAMES.update(
+    {
+        NODE_REGISTER: "NODE_REGISTER",
+        NODE_REGISTERED: "NODE_REGISTERED",
+        NODE_HEARTBEAT: "NODE_HEARTBEAT",
+        NODE_DISCONNECT: "NODE_DISCONNECT",
+    }
+)
+
+
+def check_header(frames: Sequence[Any]) -> bytes:
+    """Check a message's frame count, version and command byte, leaving its body unread; return
+    the command. For the router and the node relay, which forward most bodies as they are."""
+    if not 3 <= len(frames) <= MAX_FRAMES:
+        raise WireError(f"message has {len(frames)} frames; expected 3 to {MAX_FRAMES}")
+    version = bytes(frames[0])
+    if version != VERSION:
+        raise WireError(f"protocol version {version[:16]!r} not supported; this side speaks {VERSION!r}")
+    command = bytes(frames[1])
+    if len(command) != 1:
+        raise WireError(f"a command is one byte, not {len(command)}")
+    return command
+
+
+def peek_request_id(body: bytes | memoryview) -> str:
+    """The ``request_id`` of a body, read without decoding the rest of it.
+
+    The router and the node relay pass FINAL bodies through (their result trees may be large), and
+    need only this field to route them; msgpack skips the other values without building them.
+    """
+    if len(body) > MAX_BODY_BYTES:
+        raise WireError(f"body of {len(body)} bytes is over the limit of {MAX_BODY_BYTES}")
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(body), 1))
+    try:
+        unpacker.feed(body)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "request_id":
+                return check_id(unpacker.unpack(), "request_id")
+            unpacker.skip()
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise WireError(f"body is not a valid msgpack map: {exc}") from exc
+    raise WireError("body has no request_id")

@@ -333,22 +333,36 @@ def test_sixteen_byte_cache_still_completes_programs(broker_factory: BrokerFacto
     assert stats["bytes"] <= 16 and stats["disk_bytes"] <= 16
 
 
-def test_disk_cache_survives_a_restart(broker_factory: BrokerFactory, tmp_path: Path) -> None:
+def test_disk_cache_survives_a_restart_and_a_file_corrupted_meanwhile_is_sent_again(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
     cache_dir = tmp_path / "blob-cache"
-    small, big = array(8 << 10, seed=15), array(BIG, seed=16)
-    program = sum_program(small, big)
+    small, big, damaged_big = array(8 << 10, seed=15), array(BIG, seed=16), array(BIG, seed=21)
+    program, damaged_program = sum_program(small, big), sum_program(damaged_big)
     first = broker_factory("--workers", "1", "--cache-dir", str(cache_dir))
     with Client(first.url) as client:
         assert client.execute(program).completed
-        assert client.blob_bytes_sent == small.nbytes + big.nbytes
+        assert client.execute(damaged_program).completed
+        assert client.blob_bytes_sent == small.nbytes + big.nbytes + damaged_big.nbytes
     assert first.stop() == 0
+    (digest,) = damaged_program.to_wire()[1]
+    damaged = bytearray((cache_dir / digest).read_bytes())
+    damaged[-1] ^= 0xFF  # same size: only hashing finds it
+    (cache_dir / digest).write_bytes(damaged)
+
     second = broker_factory("--workers", "1", "--cache-dir", str(cache_dir))
     with Client(second.url) as client:
         result = client.execute(program)
         assert client.blob_bytes_sent == 0
-        assert cache_stats(client)["disk_entries"] == 2
+        assert cache_stats(client)["disk_entries"] == 3
+        # Trusted by name at start-up, found corrupt when about to run, dropped and asked for again.
+        again = client.execute(damaged_program)
+        assert client.blob_bytes_sent == damaged_big.nbytes
     assert result.completed, result.error
     assert result.results["total"] == pytest.approx(expected_sum(small, big), rel=1e-6)
+    assert again.completed, again.error
+    assert again.results["total"] == pytest.approx(expected_sum(damaged_big), rel=1e-6)
+    assert "request_blob_lost" in second.log()
 
 
 def test_blob_pinned_by_a_queued_program_is_not_evicted(broker_factory: BrokerFactory) -> None:

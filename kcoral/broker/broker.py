@@ -32,6 +32,7 @@ from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target
+from kcoral.broker.upstream import UpstreamLink, default_node_id
 from kcoral.worker.sandbox import BLOBS as SANDBOX_BLOBS_DIR
 
 log = structlog.get_logger("kcoral.broker")
@@ -76,6 +77,9 @@ class BrokerSettings:
     run_dir: Path | None = None
     limits: dict[str, int] = field(default_factory=dict)
     preload: str = "numpy,torch"
+    # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
+    upstream: str | None = None
+    node_id: str | None = None
 
 
 @dataclass
@@ -151,6 +155,7 @@ class Broker:
         self.completed = 0
         self.failed = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self.upstream: UpstreamLink | None = None
 
     # --- setup ---
 
@@ -205,6 +210,14 @@ class Broker:
             asyncio.create_task(self._worker_loop()),
             asyncio.create_task(self._heartbeat_loop()),
         ]
+        if self.settings.upstream:
+            node_id = self.settings.node_id or default_node_id(self.settings.listen)
+            self.upstream = UpstreamLink(
+                context=self.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
+            )
+            # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
+            self.frontend.bind(self.upstream.local_endpoint)
+            self.upstream.start()
         log.info(
             "broker_listening",
             endpoint=self.settings.listen,
@@ -232,6 +245,8 @@ class Broker:
         self.stopped.set()
 
     async def close(self) -> None:
+        if self.upstream is not None:
+            await self.upstream.close()  # its sockets must be closed before the context ends
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -167,6 +167,7 @@ class Zygote:
         self.selector = selectors.DefaultSelector()
         self.pending_input = b""
         self.crashes = 0
+        self.next_watch = 0.0
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -263,7 +264,8 @@ class Zygote:
                 self.on_exit(child)
             elif child.retired_at is not None and now - child.retired_at > RETIRE_GRACE_SECONDS:
                 self.kill(child, "it did not exit after its last result")
-        if self.settings.watched:
+        if self.settings.watched and now >= self.next_watch:
+            self.next_watch = now + WATCH_INTERVAL_SECONDS
             self.watch()
 
     def on_done(self, child: Child) -> None:
