@@ -1,0 +1,295 @@
+"""The node side of federation: a relay inside a host broker that joins a ``kcoral router``.
+
+A broker started with ``--upstream URL --node-id NAME`` runs one :class:`UpstreamLink` in its event
+loop. The link holds two DEALER sockets:
+
+- one connected OUT to the router's nodes endpoint, so a host behind NAT or a firewall needs no
+  open port, and the router needs no list of hosts;
+- one connected to the broker's own client ROUTER over ``inproc://`` (the broker binds it next to
+  its ``--listen`` endpoint), through which the relay is an ordinary client of its broker.
+
+Client messages from the router (EXECUTE, BLOBS, CANCEL) go to the broker unchanged, and the
+broker's replies (PARTIAL, FINAL) go back to the router unchanged, frame for frame and without
+copies: the router keeps the request_id -> client map, because request ids are unique per broker
+anyway, so the relay needs none. Why a relay and not a federation-aware broker: the broker stays
+one program with one client protocol, and everything it does for clients (negotiation of blobs,
+queue, leases, cancellation, timeouts) works through a router without a second code path.
+
+What the relay keeps: the set of request ids it has forwarded and not yet seen a FINAL for. When
+the link to the router is lost (no message for HEARTBEAT_LIVENESS intervals, or the router says it
+does not know this node) the router fails those requests with ``node_lost`` and never replays them,
+so the relay cancels them in its broker (their workers stop using GPUs nobody waits for), drops
+their late replies, opens a new socket under a new identity and registers again. HEARTBEATs from
+the broker are dropped: the router heartbeats its own clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket as stdlib_socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from kcoral import protocol
+
+log = structlog.get_logger("kcoral.upstream")
+
+LINK_HIGH_WATER_MARK = 100_000
+# After a link that never registered is dropped, wait this long before the next attempt, so that
+# a router that refuses this node is not asked again in a tight loop.
+RETRY_DELAY_SECONDS = protocol.HEARTBEAT_INTERVAL_SECONDS
+GOODBYE_LINGER_MS = 200  # time a closing link gives its NODE_DISCONNECT to leave
+
+HealthSource = Callable[[], dict[str, Any]]
+
+
+def default_node_id(listen: str) -> str:
+    """``hostname:port`` of a broker's tcp endpoint, or the hostname: stable across restarts."""
+    host = stdlib_socket.gethostname()
+    port = listen.rsplit(":", 1)[-1] if listen.startswith("tcp://") else ""
+    return f"{host}:{port}" if port.isdigit() else host
+
+
+def registration(node_id: str, health: dict[str, Any]) -> dict[str, Any]:
+    """The NODE_REGISTER body: who this node is and what it serves, from its broker's health."""
+    return {
+        "node_id": node_id,
+        "instance_id": health.get("instance_id"),
+        "hostname": health.get("hostname"),
+        "gpu_count": health.get("gpu_count"),
+        "fake_gpus": health.get("fake_gpus", 0),
+        "status": health.get("status"),
+        "load": health.get("load"),
+        "target": health.get("target"),
+        "versions": health.get("versions"),
+    }
+
+
+class UpstreamLink:
+    """Relays a router's client messages to this broker and its replies back."""
+
+    def __init__(
+        self,
+        *,
+        context: zmq.asyncio.Context,
+        upstream: str,
+        node_id: str,
+        health: HealthSource,
+    ) -> None:
+        protocol.check_id(node_id, "node id")
+        self.context = context
+        self.upstream = upstream
+        self.node_id = node_id
+        self.health = health
+        # The broker binds its client socket here too; inproc needs no port and copies nothing.
+        self.local_endpoint = f"inproc://kcoral-upstream-{uuid.uuid4().hex}"
+        self.registered = False
+        self.router_instance: str | None = None
+        self.in_flight: set[str] = set()
+        self._local: zmq.asyncio.Socket | None = None
+        self._local_out: zmq.Socket[bytes] | None = None
+        self._link_out: zmq.Socket[bytes] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        """Connect to the broker and start joining the router (call after the broker binds)."""
+        local = self.context.socket(zmq.DEALER)
+        local.setsockopt(zmq.LINGER, 0)
+        local.setsockopt(zmq.SNDHWM, LINK_HIGH_WATER_MARK)
+        local.setsockopt(zmq.RCVHWM, LINK_HIGH_WATER_MARK)
+        local.setsockopt(zmq.IDENTITY, f"u-{uuid.uuid4().hex}".encode())
+        local.connect(self.local_endpoint)
+        self._local = local
+        # Sends fail at once (NOBLOCK) instead of waiting in a future nobody reads.
+        self._local_out = zmq.Socket.shadow(local.underlying)
+        self._tasks = [asyncio.create_task(self._local_loop()), asyncio.create_task(self._link_loop())]
+        log.info("upstream_starting", upstream=self.upstream, node=self.node_id)
+
+    async def close(self) -> None:
+        """Tell the router this node leaves, stop relaying and close the sockets; idempotent."""
+        if self.registered:
+            self._send_link(protocol.NODE_DISCONNECT, {"node_id": self.node_id})
+            if self._link_out is not None:
+                # Give the goodbye a moment on the wire; the router would otherwise wait for
+                # HEARTBEAT_LIVENESS intervals before taking the node out of its pool.
+                self._link_out.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._local is not None:
+            self._local.close(linger=0)
+            self._local = None
+            self._local_out = None
+
+    # --- the link to the router ---
+
+    def _open_link(self) -> zmq.asyncio.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, LINK_HIGH_WATER_MARK)
+        sock.setsockopt(zmq.RCVHWM, LINK_HIGH_WATER_MARK)
+        # Queue nothing while the router is unreachable: a message for a router that is gone
+        # would reach the next one, which knows nothing of it.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        # A fresh identity per link: the router tells an old link's late messages from the new one's.
+        sock.setsockopt(zmq.IDENTITY, f"n-{uuid.uuid4().hex}".encode())
+        sock.connect(self.upstream)
+        self._link_out = zmq.Socket.shadow(sock.underlying)
+        return sock
+
+    async def _link_loop(self) -> None:
+        while True:
+            sock = self._open_link()
+            was_registered = False
+            try:
+                reason = await self._serve_link(sock)
+                was_registered = self.registered
+            finally:
+                self._drop_link(sock)
+            log.warning("upstream_link_reset", node=self.node_id, reason=reason, upstream=self.upstream)
+            if not was_registered:
+                await asyncio.sleep(RETRY_DELAY_SECONDS)
+
+    async def _serve_link(self, sock: zmq.asyncio.Socket) -> str:
+        """Register, heartbeat and relay until the link is lost; return why it was."""
+        interval = protocol.HEARTBEAT_INTERVAL_SECONDS
+        liveness = interval * protocol.HEARTBEAT_LIVENESS
+        last_heard = time.monotonic()
+        next_beat = 0.0  # register at once
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + interval
+            if self.registered and now - last_heard > liveness:
+                return f"no message from the router for {now - last_heard:.1f} s"
+            if not await sock.poll(max(1, int((next_beat - now) * 1000))):
+                continue
+            frames = await sock.recv_multipart(copy=False)
+            last_heard = time.monotonic()
+            reason = self._on_router_message(frames)
+            if reason is not None:
+                return reason
+
+    def _drop_link(self, sock: zmq.asyncio.Socket) -> None:
+        self.registered = False
+        self._link_out = None
+        sock.close()  # with the socket's own LINGER: 0, or a moment for a goodbye (see close)
+        if self.in_flight:
+            # The router has failed these with node_lost (or is gone): stop them here too.
+            log.warning("upstream_cancelling_in_flight", node=self.node_id, requests=len(self.in_flight))
+            for request_id in self.in_flight:
+                self._send_local(protocol.message(protocol.CANCEL, {"request_id": request_id}))
+            self.in_flight.clear()
+
+    def _beat(self) -> None:
+        try:
+            health = self.health()
+        except Exception:
+            log.exception("upstream_health_failed", node=self.node_id)
+            return
+        if self.registered:
+            self._send_link(protocol.NODE_HEARTBEAT, {"status": health.get("status"), "load": health.get("load")})
+        else:
+            self._send_link(protocol.NODE_REGISTER, registration(self.node_id, health))
+
+    def _on_router_message(self, frames: list[zmq.Frame]) -> str | None:
+        """Handle one message from the router; a reason when the link must be dropped."""
+        try:
+            command = protocol.check_header(frames)
+            if command in (protocol.EXECUTE, protocol.BLOBS, protocol.CANCEL):
+                self._relay_to_broker(command, frames)
+                return None
+            body = protocol.unpack_map(frames[2].buffer)
+        except protocol.WireError as exc:
+            log.warning("bad_router_message", node=self.node_id, error=str(exc))
+            return None
+        if command == protocol.NODE_REGISTERED:
+            if not self.registered:
+                self.router_instance = str(body.get("instance_id"))
+                log.info("upstream_registered", node=self.node_id, router=self.router_instance)
+            self.registered = True
+        elif command == protocol.NODE_DISCONNECT:
+            return f"the router dropped this node: {body.get('reason', 'unknown node')}"
+        elif command != protocol.NODE_HEARTBEAT:
+            log.warning("bad_router_message", node=self.node_id, command=command.hex())
+        return None
+
+    def _relay_to_broker(self, command: bytes, frames: list[zmq.Frame]) -> None:
+        if not self.registered:
+            return  # a stale message from before a reset: its request was already failed
+        request_id = protocol.peek_request_id(frames[2].buffer)
+        if command == protocol.EXECUTE:
+            self.in_flight.add(request_id)
+        if not self._send_local(frames) and command == protocol.EXECUTE:
+            self.in_flight.discard(request_id)
+            self._send_link_frames(
+                protocol.final_error(request_id, "engine", f"node {self.node_id} could not pass the program on")
+            )
+
+    def _send_link(self, command: bytes, body: dict[str, Any]) -> bool:
+        return self._send_link_frames(protocol.message(command, body))
+
+    def _send_link_frames(self, frames: list[Any]) -> bool:
+        if self._link_out is None:
+            return False
+        try:
+            self._link_out.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            # IMMEDIATE: no connection to the router right now; what it would get is lost anyway.
+            log.debug("upstream_send_failed", node=self.node_id, error=str(exc))
+            return False
+        return True
+
+    # --- the broker ---
+
+    async def _local_loop(self) -> None:
+        assert self._local is not None
+        while True:
+            frames = await self._local.recv_multipart(copy=False)
+            try:
+                self._on_broker_message(frames)
+            except Exception:
+                log.exception("upstream_relay_failed", node=self.node_id)
+            del frames  # large result frames go as soon as they are sent on
+
+    def _on_broker_message(self, frames: list[zmq.Frame]) -> None:
+        try:
+            command = protocol.check_header(frames)
+            if command == protocol.HEARTBEAT:
+                return
+            request_id = protocol.peek_request_id(frames[2].buffer)
+        except protocol.WireError as exc:
+            log.warning("bad_broker_message", node=self.node_id, error=str(exc))
+            return
+        if request_id not in self.in_flight:
+            return  # the answer to a request cancelled when an earlier link was lost
+        if command == protocol.FINAL:
+            self.in_flight.discard(request_id)
+        if not self._send_link_frames(frames):
+            log.warning("upstream_reply_lost", node=self.node_id, request_id=request_id, command=command.hex())
+
+    def _send_local(self, frames: list[Any]) -> bool:
+        if self._local_out is None:
+            return False
+        try:
+            self._local_out.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            log.warning("upstream_broker_unreachable", node=self.node_id, error=str(exc))
+            return False
+        return True
+
+
+__all__ = ["UpstreamLink", "default_node_id", "registration"]
