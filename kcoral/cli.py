@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,12 @@ def _positive_seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
+
+
+def _endpoint(text: str) -> str:
+    if not re.fullmatch(r"tcp://.+:[0-9]+|ipc://.+", text):
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}")
+    return text
 
 
 def _node_id(text: str) -> str:
@@ -189,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--run-dir", type=_absolute_path, default=None, help="sockets and workspaces (default: a temp dir)"
     )
-    broker.add_argument("--upstream", default=None, help="a router's nodes endpoint to join")
+    broker.add_argument(
+        "--upstream", type=_endpoint, default=None, help="a router's nodes endpoint to join, tcp://HOST:PORT"
+    )
     broker.add_argument(
         "--node-id", type=_node_id, default=None, help="this host's name at the router (default: HOSTNAME:PORT)"
     )
@@ -354,16 +363,20 @@ def _status(args: argparse.Namespace) -> int:
     print(f"gpus      {health.get('gpu_count')}  (fake: {health.get('fake_gpus', 0)})")
     for gpu, lease in (health.get("leases") or {}).items():
         print(f"  lease {gpu}: holder={lease.get('holder')} waiters={len(lease.get('waiters') or [])}")
-    workers = health.get("workers", {})
-    print(f"workers   {workers.get('slots')} slots, {workers.get('idle')} idle, {workers.get('busy')} busy")
-    for zygote in workers.get("zygotes", []):
-        print(f"  slot {zygote['slot']} gpu={zygote['gpu']} {zygote['state']} restarts={zygote['restarts']}")
-    cache = health.get("cache", {})
-    print(
-        f"cache     memory {cache.get('entries')} blobs, {cache.get('bytes')} bytes; "
-        f"disk {cache.get('disk_entries')} blobs, {cache.get('disk_bytes')} bytes in {cache.get('dir')}; "
-        f"hits={cache.get('hits')} misses={cache.get('misses')}"
-    )
+    if "workers" in health:  # a router has nodes instead of workers and a cache
+        workers = health["workers"]
+        print(f"workers   {workers.get('slots')} slots, {workers.get('idle')} idle, {workers.get('busy')} busy")
+        for zygote in workers.get("zygotes", []):
+            print(f"  slot {zygote['slot']} gpu={zygote['gpu']} {zygote['state']} restarts={zygote['restarts']}")
+    if "cache" in health:
+        cache = health["cache"]
+        print(
+            f"cache     memory {cache.get('entries')} blobs, {cache.get('bytes')} bytes; "
+            f"disk {cache.get('disk_entries')} blobs, {cache.get('disk_bytes')} bytes in {cache.get('dir')}; "
+            f"hits={cache.get('hits')} misses={cache.get('misses')}"
+        )
+    if "nodes" in health:
+        print(f"nodes     {sum(1 for n in health['nodes'] if n.get('state') == 'live')} live")
     for node in health.get("nodes", []) or []:
         load = node.get("load") or {}
         print(

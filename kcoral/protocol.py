@@ -584,7 +584,9 @@ def program_digests(program: dict[str, Any]) -> list[str]:
 # gpu_count, fake_gpus, status, load, target, versions (the fields of the broker's health)
 NODE_REGISTER: Final = b"\x30"
 NODE_REGISTERED: Final = b"\x31"  # router -> node: instance_id (the router's)
-NODE_HEARTBEAT: Final = b"\x32"  # node -> router: status, load; router -> node: {}
+# node -> router: status, load, and quiet_seconds (optional: how long the node may be silent, as
+# it is about to store a large upload on its event loop); router -> node: {}
+NODE_HEARTBEAT: Final = b"\x32"
 NODE_DISCONNECT: Final = b"\x33"  # router -> node: "unknown node, register again"; node -> router: leaving
 
 NODE_COMMANDS: Final = frozenset({NODE_REGISTER, NODE_REGISTERED, NODE_HEARTBEAT, NODE_DISCONNECT})

@@ -65,7 +65,8 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> 
         try:
             with Client(url, connect_timeout_seconds=2.0) as client:
                 health = client.health()
-            if health["workers"]["idle"] >= 1:
+            # Every slot ready: otherwise which GPUs programs land on depends on start-up order.
+            if health["workers"]["idle"] >= health["workers"]["slots"]:
                 return
         except KCoralError:
             pass

@@ -27,6 +27,8 @@ from kcoral.builtins import (
     throttle_reason_names,
 )
 from kcoral.errors import ExecutionError
+from kcoral.timing.cupti import EXTERNAL_ID_BLOCK
+from kcoral.timing.timers import timed_calls
 
 torch = pytest.importorskip("torch")
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a host without a GPU")
@@ -331,7 +333,7 @@ def test_calls_still_launching_after_the_hold_are_late() -> None:
 
 
 def test_hold_ends_by_call_reads_the_hold_ids() -> None:
-    base = 5 * builtins._EXTERNAL_ID_BLOCK
+    base = 5 * EXTERNAL_ID_BLOCK
     activities = [
         Activity("concurrent_kernel", 1, 0, 900, "spin"),
         Activity("concurrent_kernel", 2, 1_000, 2_000, "user"),
@@ -407,7 +409,7 @@ class _Recorder:
 
 def test_each_call_is_launched_behind_its_hold_inside_its_own_bracket() -> None:
     recorder = _Recorder()
-    times = builtins._timed_calls(recorder, 2, hold_cycles=500, tracer=recorder, base=1000)  # type: ignore[arg-type]
+    times = timed_calls(recorder, 2, hold_cycles=500, tracer=recorder, base=1000)  # type: ignore[arg-type]
     assert times == [0.25, 0.25]
     hold_id = 1000 + builtins.HOLD_ID_OFFSET
     one_call = [
@@ -429,5 +431,5 @@ def test_each_call_is_launched_behind_its_hold_inside_its_own_bracket() -> None:
 
 def test_without_a_tracer_the_calls_are_bracketed_by_events_only() -> None:
     recorder = _Recorder()
-    builtins._timed_calls(recorder, 1, hold_cycles=0)  # type: ignore[arg-type]
+    timed_calls(recorder, 1, hold_cycles=0)  # type: ignore[arg-type]
     assert recorder.log == ["sync", "flush", "sync", "hold(0)", "event", "call", "event", "sync"]

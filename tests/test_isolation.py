@@ -437,7 +437,7 @@ def test_sandbox_none_runs_programs_on_the_host(tmp_path: Path) -> None:
         assert broker.stop() == 0
 
 
-# --- known holes, in code this module does not own (see the issue note) --------------------------
+# --- programs that attack their own slot ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -448,7 +448,6 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandboxed]:
     service.broker.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="wipes use rmtree(ignore_errors=True): a mode-0 directory survives")
 def test_unreadable_directory_does_not_survive_the_wipe(hostile: Sandboxed) -> None:
     source = "import os\ndef lock():\n    os.makedirs('kept/inner')\n    os.chmod('kept', 0)\n"
     assert run(hostile.broker.url, source, "lock").completed
@@ -466,11 +465,9 @@ def test_program_cannot_write_into_its_zygote(hostile: Sandboxed) -> None:
         return "ok"
     """
     outcome = run(hostile.broker.url, textwrap.dedent(source), "poke").results["out"]
-    if outcome == "ok":  # Yama (ptrace_scope >= 1) stops it on many hosts, not on all
-        pytest.xfail("the zygote is dumpable: a worker can rewrite its memory (zygote.py: PR_SET_DUMPABLE 0)")
+    assert outcome != "ok", "a worker could open its zygote's memory for writing"
 
 
-@pytest.mark.xfail(strict=True, reason="the broker takes READY from any identity on its ipc socket")
 def test_program_cannot_pose_as_a_worker(hostile: Sandboxed) -> None:
     impostor = """
     import zmq
@@ -495,10 +492,10 @@ def test_program_cannot_pose_as_a_worker(hostile: Sandboxed) -> None:
         assert posing.result().results["out"] is False, "another client's program was handed to the impostor"
 
 
-@pytest.mark.xfail(strict=True, reason="worker identities repeat in the sandbox's pid namespace (zygote.py)")
 def test_slot_comes_back_after_a_program_kills_its_zygote(hostile: Sandboxed) -> None:
     source = "import os, signal\ndef kill():\n    os.kill(os.getppid(), signal.SIGKILL)\n"
-    assert not run(hostile.broker.url, source, "kill").completed
+    # The worker may finish its reply before it follows its zygote: either outcome is fine here.
+    run(hostile.broker.url, source, "kill")
     deadline = time.monotonic() + KNOWN_HOLE_WAIT_S
     with Client(hostile.broker.url) as client:
         while client.health()["workers"]["idle"] < 2:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import sys
 import textwrap
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import pytest
 
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.worker import processes
+from kcoral.worker.state import cuda_view_mismatch
 from tests.conftest import BrokerFactory, RunningBroker, start_broker
 
 TOKEN = f"kclc{secrets.token_hex(3)}"  # the comm name of every process a test program starts
@@ -456,3 +459,18 @@ def test_disk_filler_fails_naming_the_limit(limited: RunningBroker) -> None:
     assert result.error["kind"] == "runtime"
     assert "File too large" in result.error["message"] and "--max-file-bytes" in result.error["message"]
     assert pid_of(limited.url) > 0
+
+
+# --- unit level ---------------------------------------------------------------------------------
+
+
+def test_a_cuda_context_made_for_other_gpus_refuses_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert cuda_view_mismatch([1]) is None
+    for gpu_ids in ([0], [1, 2], []):
+        refusal = cuda_view_mismatch(gpu_ids)
+        assert refusal is not None and "KCORAL_EAGER_CUDA" in refusal
+    fake_torch.cuda.is_initialized = lambda: False  # no context yet: any GPUs will do
+    assert cuda_view_mismatch([0, 3]) is None

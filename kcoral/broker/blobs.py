@@ -87,6 +87,16 @@ class BlobStoreSettings:
             raise ValueError("memory_blob_divisor and hash_chunk_bytes must be positive")
 
 
+@dataclass(frozen=True)
+class PreparedBlob:
+    """A blob whose digest was checked, and maybe written to a temporary disk file."""
+
+    digest: str
+    data: bytes | bytearray | memoryview
+    view: memoryview
+    temp_file: Path | None
+
+
 class BlobDigestMismatch(ValueError):
     """Raised when the bytes given to :meth:`BlobStore.put` do not hash to the digest given."""
 
@@ -164,16 +174,48 @@ class BlobStore:
         buffer over and promises never to write to it again (a received zmq frame): the memory
         tier then keeps a read-only view of it, not a copy.
         """
+        self.commit(self.prepare(digest, data), adopt=adopt)
+
+    def prepare(self, digest: str, data: bytes | bytearray | memoryview) -> PreparedBlob:
+        """The slow half of :meth:`put`: hash, and write a temporary disk file. It touches none of
+        the store's state, so the broker runs it in a thread for large uploads while its event
+        loop keeps serving; :meth:`commit` (on the loop) then files the blob."""
         _check_digest(digest)
         view = _as_bytes_view(data)
         actual = hashlib.sha256(view).hexdigest()
         if actual != digest:
-            raise BlobDigestMismatch(
-                f"blob of {view.nbytes} bytes hashes to {actual}, not {digest}"
-            )
+            raise BlobDigestMismatch(f"blob of {view.nbytes} bytes hashes to {actual}, not {digest}")
+        temp: Path | None = None
+        if self._disk_dir is not None and not (self._disk_dir / digest).exists():
+            temp_name: str | None = None
+            try:
+                fd, temp_name = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self._disk_dir)
+                with open(fd, "wb") as file:
+                    file.write(view)
+                temp = Path(temp_name)
+            except OSError as exc:
+                # The disk is a cache: a full or failing disk must not fail the upload itself.
+                if temp_name is not None:
+                    self._remove_disk_file(Path(temp_name))
+                _log.warning("blob_disk_write_failed", digest=digest, error=str(exc))
+        return PreparedBlob(digest, data, view, temp)
+
+    def commit(self, prepared: PreparedBlob, *, adopt: bool = False) -> None:
+        """File a blob that :meth:`prepare` checked (and maybe wrote)."""
+        digest, data, view = prepared.digest, prepared.data, prepared.view
         size = view.nbytes
         on_disk = digest in self._disk
-        if self._disk_dir is not None and not on_disk:
+        if prepared.temp_file is not None and self._disk_dir is not None:
+            if on_disk:
+                self._remove_disk_file(prepared.temp_file)
+            else:
+                os.replace(prepared.temp_file, self._disk_dir / digest)
+                self._disk[digest] = size
+                self._disk_bytes += size
+                self._verified.add(digest)
+                self._evict_disk(keep=digest)
+                on_disk = True
+        elif self._disk_dir is not None and not on_disk:
             on_disk = self._write_disk(self._disk_dir, digest, view)
         if on_disk:
             self._touch_disk(digest)

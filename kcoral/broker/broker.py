@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings
+from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings, PreparedBlob
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target
@@ -44,6 +44,9 @@ ADOPT_FRAME_BYTES = 64 << 10
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
 SOCKET_HIGH_WATER_MARK = 100_000
 MAX_REMEMBERED_EXITS = 10_000
+MAX_EARLY_READY = 1024
+EARLY_READY_SECONDS = 10.0
+OFF_LOOP_UPLOAD_BYTES = 16 << 20  # uploads at least this large are hashed and written in a thread
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
 
 
@@ -151,10 +154,13 @@ class Broker:
         self.frontend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.frontend.underlying)
         self.backend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.backend.underlying)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
-        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit)
+        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
+        # READYs that arrived before their zygote's "forked" event was read.
+        self.early_ready: dict[bytes, dict[str, Any]] = {}
         self.completed = 0
         self.failed = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
         self.upstream: UpstreamLink | None = None
 
     # --- setup ---
@@ -300,7 +306,13 @@ class Broker:
     def _dispatch_command(
         self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
     ) -> None:
-        if command == protocol.EXECUTE:
+        if command in (protocol.EXECUTE, protocol.BLOBS) and sum(len(f) for f in data) >= OFF_LOOP_UPLOAD_BYTES:
+            # Hashing and writing a large upload takes seconds: do it in a thread, so heartbeats,
+            # leases and other clients are served meanwhile.
+            task = asyncio.get_running_loop().create_task(self._prepare_then(client, command, request_id, body, data))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif command == protocol.EXECUTE:
             self._on_execute(client, request_id, body, data)
         elif command == protocol.BLOBS:
             self._on_blobs(client, request_id, body, data)
@@ -313,7 +325,40 @@ class Broker:
         else:
             self._reply_error(client, request_id, "parse", f"unknown command {command.hex()}")
 
-    def _on_execute(self, client: bytes, request_id: str, body: dict[str, Any], data: list[Any]) -> None:
+    async def _prepare_then(
+        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
+    ) -> None:
+        digests = body.get("blobs")
+        prepared: dict[str, PreparedBlob] = {}
+        if isinstance(digests, list) and len(digests) == len(data):
+
+            def prepare_all() -> None:
+                for digest, frame in zip(digests, data):
+                    try:
+                        prepared[digest] = self.blobs.prepare(digest, frame)
+                    except (BlobDigestMismatch, ValueError):
+                        pass  # the ordinary path below refuses it with the reason
+
+            await asyncio.to_thread(prepare_all)
+        try:
+            if command == protocol.EXECUTE:
+                self._on_execute(client, request_id, body, data, prepared)
+            else:
+                self._on_blobs(client, request_id, body, data, prepared)
+        except Exception as exc:
+            log.exception("client_command_failed", request_id=request_id, command=command.hex())
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
+
+    def _on_execute(
+        self,
+        client: bytes,
+        request_id: str,
+        body: dict[str, Any],
+        data: list[Any],
+        prepared: dict[str, PreparedBlob] | None = None,
+    ) -> None:
         if request_id in self.requests:
             self._reply_error(client, request_id, "parse", "a request with this id is already in flight")
             return
@@ -368,21 +413,30 @@ class Broker:
             blobs=len(digests),
             missing=len(absent),
         )
-        if self._store_blobs(request, body, data):
+        if self._store_blobs(request, body, data, prepared):
             self._negotiate(request, progressed=True)
 
-    def _on_blobs(self, client: bytes, request_id: str, body: dict[str, Any], data: list[Any]) -> None:
+    def _on_blobs(
+        self,
+        client: bytes,
+        request_id: str,
+        body: dict[str, Any],
+        data: list[Any],
+        prepared: dict[str, PreparedBlob] | None = None,
+    ) -> None:
         request = self.requests.get(request_id)
         if request is None or request.client != client or request.state != "negotiating":
             self._reply_error(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
             return
-        if self._store_blobs(request, body, data):
+        if self._store_blobs(request, body, data, prepared):
             # An empty BLOBS does not extend the deadline: a client that sends nothing is dropped.
             self._negotiate(request, progressed=bool(data))
 
-    def _store_blobs(self, request: Request, body: dict[str, Any], data: list[Any]) -> bool:
+    def _store_blobs(
+        self, request: Request, body: dict[str, Any], data: list[Any], prepared: dict[str, PreparedBlob] | None = None
+    ) -> bool:
         """Check and store the blobs attached to EXECUTE or BLOBS; False when the request was
-        refused (and answered) instead."""
+        refused (and answered) instead. ``prepared`` holds blobs already hashed off the loop."""
         digests = body.get("blobs") or []
         wanted = set(request.digests)
         try:
@@ -402,7 +456,11 @@ class Broker:
                     )
                     return False
                 # A received frame is never written to again, so a large one is kept as it is.
-                self.blobs.put(digest, frame, adopt=len(frame) >= ADOPT_FRAME_BYTES)
+                ready = (prepared or {}).get(digest)
+                if ready is not None:
+                    self.blobs.commit(ready, adopt=len(frame) >= ADOPT_FRAME_BYTES)
+                else:
+                    self.blobs.put(digest, frame, adopt=len(frame) >= ADOPT_FRAME_BYTES)
         except BlobDigestMismatch as exc:
             self._finish_error(request, "parse", f"blob digest mismatch: {exc}")
             return False
@@ -521,6 +579,10 @@ class Broker:
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
             self.backend_out.send_multipart([worker.identity, *message], flags=zmq.NOBLOCK, copy=False)
+            # The socket's file descriptor is edge-triggered: a send through the shadow can take
+            # the edge that announced incoming messages, and the asyncio recv would then sleep
+            # until the next one (seconds, with 8 programs in flight). Re-check its events now.
+            self.backend._schedule_remaining_events()  # type: ignore[operator]  # private to pyzmq
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -631,14 +693,31 @@ class Broker:
         if not isinstance(slot, int) or slot not in self.supervisor.states:
             log.warning("bad_ready", worker=identity.decode(errors="replace"))
             return
-        if identity in self.exited:
-            return  # it died before its READY was read
+        if identity in self.exited or identity in self.workers:
+            return  # it died before its READY was read, or says READY twice
+        if self.supervisor.states[slot].worker != identity.decode(errors="replace"):
+            # Only the worker its zygote forked may take programs: anything else that reaches the
+            # socket (a program, say) must never be handed other clients' work. The forked event
+            # may simply not have been read yet: keep the READY a while.
+            if len(self.early_ready) < MAX_EARLY_READY:
+                self.early_ready[identity] = body
+                asyncio.get_running_loop().call_later(EARLY_READY_SECONDS, self._forget_early_ready, identity)
+            return
         gpu = self.supervisor.states[slot].spec.gpu
         worker = Worker(identity, slot, gpu, int(body.get("pid") or 0))
         self.workers[identity] = worker
         self.idle[identity] = worker
         log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
         self._dispatch()
+
+    def _on_worker_forked(self, slot: int, worker: str) -> None:
+        body = self.early_ready.pop(worker.encode(), None)
+        if body is not None and body.get("slot") == slot:
+            self._on_ready(worker.encode(), body)
+
+    def _forget_early_ready(self, identity: bytes) -> None:
+        if self.early_ready.pop(identity, None) is not None:
+            log.warning("ready_from_unknown_worker", worker=identity.decode(errors="replace"))
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
         try:
@@ -652,6 +731,7 @@ class Broker:
             self.backend_out.send_multipart(
                 [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})], flags=zmq.NOBLOCK
             )
+            self.backend._schedule_remaining_events()  # type: ignore[operator]  # see _start
         except zmq.ZMQError:
             self.leases.release(request.id)
 
@@ -793,6 +873,7 @@ class Broker:
             self.frontend_out.send_multipart(
                 [client, *protocol.message(command, body, *frames)], flags=zmq.NOBLOCK, copy=False
             )
+            self.frontend._schedule_remaining_events()  # type: ignore[operator]  # see _start
         except zmq.ZMQError as exc:
             # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))

@@ -25,6 +25,9 @@ What the router does, and why:
 - A node that is silent for HEARTBEAT_LIVENESS intervals, says it leaves, or registers again
   under a new link (it restarted) leaves the pool; its in-flight programs fail with ``node_lost``
   and are never replayed (a program may have had side effects). It rejoins when it registers.
+  A node about to store a large upload (its broker hashes and writes it on its event loop, about
+  3 s per GiB, and cannot heartbeat meanwhile) announces ``quiet_seconds`` first, and is not taken
+  for lost before they are up; nor is any node while node messages wait unread in this router.
 - A router without nodes answers HEALTH (``nodes: []``) and queues programs for up to
   ``--node-wait`` seconds (default 10) after the pool became empty, so that a router restart or a
   node restart does not fail the programs submitted meanwhile; once the pool has been empty that
@@ -46,7 +49,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import zmq
@@ -65,6 +68,7 @@ MAX_REMEMBERED_LOST_NODES = 256
 # noticed soon after its HEARTBEAT_LIVENESS intervals are up, not up to an interval later.
 CHECKS_PER_INTERVAL = 4
 GOODBYE_LINGER_MS = 200
+MAX_QUIET_SECONDS = protocol.MAX_TIMEOUT_SECONDS  # the most silence a node may announce
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
 NODE_STATUSES = ("ok", "draining")
 
@@ -110,6 +114,8 @@ class Node:
     versions: dict[str, str]
     registered_at: float = field(default_factory=time.time)
     last_heard: float = field(default_factory=time.monotonic)
+    # Until then the node may be silent: it announced that it is storing a large upload.
+    quiet_until: float = 0.0
     state: str = "live"
     # False after a send to it failed; true again at its next message.
     reachable: bool = True
@@ -183,6 +189,10 @@ class Router:
         self.draining = False
         self.stopped = asyncio.Event()
         self.random = random.Random()
+        # What does not change while the router runs, found once: HEALTH may be polled often.
+        self.hostname = stdlib_socket.gethostname()
+        self.versions = versions()
+        self.platform = platform.platform()
         self._tasks: list[asyncio.Task[None]] = []
 
     def _router(self) -> zmq.asyncio.Socket:
@@ -455,6 +465,12 @@ class Router:
     def _on_node_heartbeat(self, node: Node, body: dict[str, Any]) -> None:
         node.status = _status(body.get("status"))
         node.load = _load(body.get("load"))
+        quiet = body.get("quiet_seconds")
+        if quiet is not None:
+            if isinstance(quiet, bool) or not isinstance(quiet, (int, float)) or not quiet >= 0:
+                raise protocol.WireError(f"quiet_seconds must be a number >= 0, not {quiet!r}")
+            node.quiet_until = time.monotonic() + min(float(quiet), MAX_QUIET_SECONDS)
+            log.info("node_quiet", node=node.node_id, seconds=round(quiet, 1))
         self._dispatch()
 
     def _on_partial(self, node: Node, body: dict[str, Any], message: list[Any]) -> None:
@@ -622,8 +638,10 @@ class Router:
                 self._dispatch()
 
     def _expire_nodes(self, now: float) -> None:
+        if cast(int, self.backend_out.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            return  # messages are waiting to be read (this loop was busy): they may be heartbeats
         liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
-        for node in [n for n in self.nodes.values() if now - n.last_heard > liveness]:
+        for node in [n for n in self.nodes.values() if now - n.last_heard > liveness and now > n.quiet_until]:
             self._lose_node(node, f"stopped answering ({now - node.last_heard:.1f} s without a message)")
 
     def _heartbeat(self) -> None:
@@ -657,7 +675,7 @@ class Router:
             "role": "router",
             "instance_id": self.instance_id,
             "started_at": self.started_at,
-            "hostname": stdlib_socket.gethostname(),
+            "hostname": self.hostname,
             "gpu_count": sum(n.gpu_count for n in live),
             "fake_gpus": sum(n.fake_gpus for n in live),
             "load": {
@@ -669,7 +687,7 @@ class Router:
             },
             "counters": dict(self.counters),
             "target": self.target(),
-            "versions": versions(),
+            "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],
         }
 
@@ -686,7 +704,7 @@ class Router:
             "fake_gpus": sum(n.fake_gpus for n in live),
             "gpus": gpus,
             "arch": arch,
-            "platform": platform.platform(),
+            "platform": self.platform,
             "python": platform.python_version(),
             "nodes": {n.node_id: n.target for n in live},
         }

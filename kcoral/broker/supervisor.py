@@ -95,6 +95,7 @@ class Supervisor:
 
     slots: list[SlotSpec]
     on_exit: Callable[[WorkerExit], None]
+    on_fork: Callable[[int, str], None] = lambda slot, worker: None
     states: dict[int, SlotState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
@@ -218,6 +219,7 @@ class Supervisor:
         elif kind == "forked":
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
+            self.on_fork(state.spec.slot, state.worker)
         elif kind == "exited":
             worker = str(event.get("worker"))
             if state.worker == worker:

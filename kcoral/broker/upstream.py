@@ -46,6 +46,12 @@ LINK_HIGH_WATER_MARK = 100_000
 # a router that refuses this node is not asked again in a tight loop.
 RETRY_DELAY_SECONDS = protocol.HEARTBEAT_INTERVAL_SECONDS
 GOODBYE_LINGER_MS = 200  # time a closing link gives its NODE_DISCONNECT to leave
+# The broker checks and stores an upload on its event loop, which then cannot heartbeat: about
+# 3 s per GiB on a small CI machine, more on a slow disk. Before it gets a message with at least
+# QUIET_ANNOUNCE_BYTES of data, the relay tells the router how long to expect silence, at this
+# (deliberately low) rate, so that the router does not take the node for lost meanwhile.
+QUIET_ANNOUNCE_BYTES = 64 << 20
+INGEST_BYTES_PER_SECOND = 64 << 20
 
 HealthSource = Callable[[], dict[str, Any]]
 
@@ -111,7 +117,9 @@ class UpstreamLink:
         self._local = local
         # Sends fail at once (NOBLOCK) instead of waiting in a future nobody reads.
         self._local_out = zmq.Socket.shadow(local.underlying)
-        self._tasks = [asyncio.create_task(self._local_loop()), asyncio.create_task(self._link_loop())]
+        # Opened here, not in the task, so that a bad --upstream endpoint fails the start (ZMQError).
+        link = self._open_link()
+        self._tasks = [asyncio.create_task(self._local_loop()), asyncio.create_task(self._link_loop(link))]
         log.info("upstream_starting", upstream=self.upstream, node=self.node_id)
 
     async def close(self) -> None:
@@ -149,9 +157,8 @@ class UpstreamLink:
         self._link_out = zmq.Socket.shadow(sock.underlying)
         return sock
 
-    async def _link_loop(self) -> None:
+    async def _link_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            sock = self._open_link()
             was_registered = False
             try:
                 reason = await self._serve_link(sock)
@@ -161,6 +168,7 @@ class UpstreamLink:
             log.warning("upstream_link_reset", node=self.node_id, reason=reason, upstream=self.upstream)
             if not was_registered:
                 await asyncio.sleep(RETRY_DELAY_SECONDS)
+            sock = self._open_link()
 
     async def _serve_link(self, sock: zmq.asyncio.Socket) -> str:
         """Register, heartbeat and relay until the link is lost; return why it was."""
@@ -173,15 +181,18 @@ class UpstreamLink:
             if now >= next_beat:
                 self._beat()
                 next_beat = now + interval
-            if self.registered and now - last_heard > liveness:
-                return f"no message from the router for {now - last_heard:.1f} s"
-            if not await sock.poll(max(1, int((next_beat - now) * 1000))):
+            if await sock.poll(max(1, int((next_beat - now) * 1000))):
+                frames = await sock.recv_multipart(copy=False)
+                last_heard = time.monotonic()
+                reason = self._on_router_message(frames)
+                if reason is not None:
+                    return reason
                 continue
-            frames = await sock.recv_multipart(copy=False)
-            last_heard = time.monotonic()
-            reason = self._on_router_message(frames)
-            if reason is not None:
-                return reason
+            # Checked only when nothing is waiting to be read: after this loop was blocked (by the
+            # broker storing a large upload), the router's heartbeats are still in the socket.
+            silent = time.monotonic() - last_heard
+            if self.registered and silent > liveness:
+                return f"no message from the router for {silent:.1f} s"
 
     def _drop_link(self, sock: zmq.asyncio.Socket) -> None:
         self.registered = False
@@ -204,6 +215,10 @@ class UpstreamLink:
             self._send_link(protocol.NODE_HEARTBEAT, {"status": health.get("status"), "load": health.get("load")})
         else:
             self._send_link(protocol.NODE_REGISTER, registration(self.node_id, health))
+
+    def _load_report(self) -> dict[str, Any]:
+        health = self.health()
+        return {"status": health.get("status"), "load": health.get("load")}
 
     def _on_router_message(self, frames: list[zmq.Frame]) -> str | None:
         """Handle one message from the router; a reason when the link must be dropped."""
@@ -233,6 +248,13 @@ class UpstreamLink:
         request_id = protocol.peek_request_id(frames[2].buffer)
         if command == protocol.EXECUTE:
             self.in_flight.add(request_id)
+        data_bytes = sum(len(frame) for frame in frames[3:])
+        if data_bytes >= QUIET_ANNOUNCE_BYTES:
+            # Sent before the broker sees the upload: libzmq's I/O thread delivers it even while
+            # this event loop is busy hashing and storing.
+            quiet = data_bytes / INGEST_BYTES_PER_SECOND
+            self._send_link(protocol.NODE_HEARTBEAT, {**self._load_report(), "quiet_seconds": quiet})
+            log.info("upstream_announced_quiet", node=self.node_id, request_id=request_id, seconds=round(quiet, 1))
         if not self._send_local(frames) and command == protocol.EXECUTE:
             self.in_flight.discard(request_id)
             self._send_link_frames(

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
@@ -69,6 +70,11 @@ def _libc() -> ctypes.CDLL:
 def set_child_subreaper() -> None:
     """Orphans among our descendants are re-parented to this process, where we can find them."""
     _libc().prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def set_dumpable(dumpable: bool) -> None:
+    """A non-dumpable process's /proc/<pid>/mem cannot be opened by processes of the same user."""
+    _libc().prctl(PR_SET_DUMPABLE, int(dumpable))
 
 
 def set_parent_death_signal(sig: int) -> None:

@@ -565,6 +565,12 @@ def execute_program(
 ) -> ExecutionOutcome:
     """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
 
+    A program that returns but leaves processes or threads running: its processes are killed
+    before the result is sent, and the result's ``worker`` map says so, in
+    ``leftover_processes`` (``"PID (name)"`` each) and ``leftover_threads`` (thread names), with
+    ``reusable`` false and a ``retire_reason``: the worker is not used again. Its stdout and
+    stderr stay exactly what it wrote.
+
     Unless this is the worker's ``last`` program, the process-wide state the program may change
     is put back afterwards (see :mod:`kcoral.worker.state`). A last program skips that: the worker
     exits anyway, and the snapshot would touch (and so copy, after the fork) megabytes of pages.

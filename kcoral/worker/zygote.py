@@ -8,7 +8,13 @@ It talks to the broker's supervisor through its standard streams, one JSON objec
 commands on stdin (``{"cmd": "kill"}``: kill the current worker and all it started;
 ``{"cmd": "stop"}``), events on stdout (``ready``, ``forked``, ``exited``). An ``exited`` event
 carries the worker's ``returncode`` or ``signal``, ``leftovers_killed`` (processes still alive when
-it ended) and ``reason`` (why the zygote killed it: a broken limit, or the broker's request).
+it ended), ``reason`` (why the zygote killed it: a broken limit, say) and ``instruction_index``
+(the instruction it was executing, read from a page shared with it: a worker that dies at once
+takes its unsent progress messages with it).
+
+A worker that has sent its last result says so through a pipe and the zygote forks the
+replacement while the old one is still exiting (the exit of a process with a CUDA context takes a
+hundred milliseconds or more): the slot's next worker is READY sooner.
 
 Nothing a worker starts outlives it: the zygote is a child subreaper, so whatever a worker leaves
 behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, found by a walk
@@ -24,9 +30,11 @@ import gc
 import importlib
 import json
 import os
+import secrets
 import selectors
 import shutil
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -71,15 +79,33 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def wipe(directory: Path) -> None:
+    """Empty the slot's workspace, including directories a program made unreadable (mode 0),
+    which a plain rmtree would leave behind for the next program to open again."""
     directory.mkdir(parents=True, exist_ok=True)
     for entry in directory.iterdir():
         if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_tree(entry)
         else:
             try:
                 entry.unlink()
             except OSError:
                 pass
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that first makes every directory of the tree accessible again (top down)."""
+    pending = [path]
+    while pending:
+        current = pending.pop()
+        try:
+            os.chmod(current, stat.S_IRWXU)
+            with os.scandir(current) as entries:
+                pending.extend(
+                    Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)
+                )
+        except OSError:
+            continue
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done_fd: int) -> None:
@@ -91,6 +117,9 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done
     """
     code = EXIT_WORKER_CRASHED
     try:
+        # The zygote is not dumpable (see serve); its worker must be, so that the zygote's
+        # watchdog can read the worker's memory use in /proc.
+        processes.set_dumpable(True)
         os.setsid()  # its own session and group: one killpg reaches what it starts
         processes.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
@@ -185,6 +214,9 @@ class Zygote:
         gc.collect()
         gc.freeze()
         processes.set_process_name("kcoral-zygote")
+        # Workers run as the same user: without this one of them could write the zygote's memory
+        # through /proc/<zygote>/mem and so take over every later worker of the slot.
+        processes.set_dumpable(False)
         processes.BOARD = processes.ProgressBoard()
         processes.set_child_subreaper()
         # Not SIGKILL when the broker dies: we first take the worker's tree with us. Not SIGTERM
@@ -221,7 +253,9 @@ class Zygote:
 
     def fork_worker(self) -> None:
         self.generation += 1
-        identity = f"w{self.settings.slot}-{os.getpid()}-{self.generation}"
+        # Unguessable and never reused: inside a sandbox every zygote is pid 2, and the broker only
+        # takes work-carrying READYs from the identity this zygote reports as forked.
+        identity = f"w{self.settings.slot}-{self.generation}-{secrets.token_hex(8)}"
         done_read, done_write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -139,7 +139,7 @@ def test_falls_back_to_cuda_events_when_cupti_is_unavailable(
     def refuse() -> Any:
         raise builtins.CuptiUnavailable("cupti-python is not importable: simulated")
 
-    monkeypatch.setattr(builtins._CuptiTracer, "get", staticmethod(refuse))
+    monkeypatch.setattr(builtins.CuptiTracer, "get", staticmethod(refuse))
     result = benchmark(_add, *add_operands, config={"repeat": 20})
     assert result["method"] == "cuda_event"
     assert "simulated" in result["cupti_error"]

@@ -1,0 +1,115 @@
+"""The GPU's SM clock and clock-event ("throttle") reasons from NVML, and when the clock is steady.
+
+pynvml is imported inside ``Nvml.open``: this module is imported with ``kcoral.builtins``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Final
+
+# The clock is "steady" once this many NVML samples, at least this far apart, lie within this
+# fraction of their maximum. NVML refreshes clocks every few ms; 10 ms apart avoids re-reading one.
+CLOCK_STEADY_SAMPLES: Final = 5
+CLOCK_SAMPLE_INTERVAL_S: Final = 0.010
+CLOCK_STEADY_TOLERANCE: Final = 0.01
+
+# NVML clock event ("throttle") reason bits, named as nvidia-smi names them. Kept here rather than
+# read from pynvml because the constant names moved between nvidia-ml-py releases.
+THROTTLE_REASONS: Final[tuple[tuple[int, str], ...]] = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+# Reasons that mean the clock was pulled below what the work asked for. Idle, application clocks and
+# display settings are states, not slowdowns.
+SLOWDOWN_MASK: Final = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def clock_is_steady(
+    samples_mhz: Sequence[float],
+    *,
+    window: int = CLOCK_STEADY_SAMPLES,
+    tolerance: float = CLOCK_STEADY_TOLERANCE,
+) -> bool:
+    """True when the last ``window`` clock samples lie within ``tolerance`` of their maximum."""
+    if len(samples_mhz) < window:
+        return False
+    recent = samples_mhz[-window:]
+    top = max(recent)
+    return top > 0 and (top - min(recent)) <= tolerance * top
+
+
+def throttle_reason_names(mask: int | None) -> list[str] | None:
+    """Names of the NVML clock event reasons set in ``mask`` (None when NVML gave none)."""
+    if mask is None:
+        return None
+    names = [name for bit, name in THROTTLE_REASONS if mask & bit]
+    known = 0
+    for bit, _ in THROTTLE_REASONS:
+        known |= bit
+    if mask & ~known:
+        names.append(f"other_0x{mask & ~known:x}")
+    return names
+
+
+class Nvml:
+    """SM clock and clock-event reasons of one GPU; every method returns None when NVML cannot answer."""
+
+    def __init__(self, handle: Any, module: Any) -> None:
+        self._handle = handle
+        self._nvml = module
+
+    @classmethod
+    def open(cls, torch: Any, device: int) -> Nvml | None:
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        try:
+            pynvml.nvmlInit()  # reference-counted by NVML: repeated calls are cheap and harmless
+        except pynvml.NVMLError:
+            return None
+        props = torch.cuda.get_device_properties(device)
+        # CUDA_VISIBLE_DEVICES renumbers devices, so match NVML's device by UUID, then by PCI id.
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None:
+            text = str(uuid)  # torch prints the bare UUID; NVML wants the "GPU-" prefix
+            candidate = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+            with contextlib.suppress(pynvml.NVMLError):
+                return cls(pynvml.nvmlDeviceGetHandleByUUID(candidate), pynvml)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is not None:
+            pci = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+            with contextlib.suppress(pynvml.NVMLError):
+                return cls(pynvml.nvmlDeviceGetHandleByPciBusId(pci), pynvml)
+        return None
+
+    def sm_clock_mhz(self) -> int | None:
+        try:
+            return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+        except self._nvml.NVMLError:
+            return None
+
+    def clock_event_reasons(self) -> int | None:
+        for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+            getter = getattr(self._nvml, name, None)
+            if getter is None:
+                continue
+            with contextlib.suppress(self._nvml.NVMLError):
+                return int(getter(self._handle))
+        return None
+
+
+def clock_state(nvml: Nvml | None) -> dict[str, Any]:
+    """The SM clock (``sm_clock_mhz``) and clock-event reason mask (``reasons``) now; None without NVML."""
+    if nvml is None:
+        return {"sm_clock_mhz": None, "reasons": None}
+    return {"sm_clock_mhz": nvml.sm_clock_mhz(), "reasons": nvml.clock_event_reasons()}
