@@ -30,6 +30,7 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings, PreparedBlob
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
+from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target
 from kcoral.broker.upstream import UpstreamLink, default_node_id
@@ -42,7 +43,6 @@ NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blob
 # ones may share one of libzmq's receive buffers (8 KiB), which a kept view would pin whole.
 ADOPT_FRAME_BYTES = 64 << 10
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
-SOCKET_HIGH_WATER_MARK = 100_000
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024
 EARLY_READY_SECONDS = 10.0
@@ -147,12 +147,10 @@ class Broker:
         self.draining = False
         self.stopped = asyncio.Event()
         self.context = zmq.asyncio.Context()
-        self.frontend = self._router()
-        self.backend = self._router()
-        # Sends go through blocking-API shadows of the same sockets, with NOBLOCK: an unreachable
-        # peer (ROUTER_MANDATORY) or a full queue raises here and now, not in a future nobody reads.
-        self.frontend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.frontend.underlying)
-        self.backend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.backend.underlying)
+        self.frontend = router_socket(self.context)
+        self.backend = router_socket(self.context)
+        self.frontend_out = ImmediateSender(self.frontend)
+        self.backend_out = ImmediateSender(self.backend)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
         # READYs that arrived before their zygote's "forked" event was read.
@@ -164,14 +162,6 @@ class Broker:
         self.upstream: UpstreamLink | None = None
 
     # --- setup ---
-
-    def _router(self) -> zmq.asyncio.Socket:
-        sock = self.context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SOCKET_HIGH_WATER_MARK)
-        sock.setsockopt(zmq.RCVHWM, SOCKET_HIGH_WATER_MARK)
-        return sock
 
     def _slot_specs(self) -> list[SlotSpec]:
         from kcoral.broker.sandboxing import zygote_launcher
@@ -269,15 +259,7 @@ class Broker:
     # --- clients ---
 
     async def _client_loop(self) -> None:
-        while True:
-            frames = await self.frontend.recv_multipart(copy=False)
-            try:
-                self._handle_client(frames)
-            except Exception:
-                log.exception("client_message_failed")
-            # Drop this message's frames now, not when the next message arrives: a large upload or
-            # result would otherwise stay in memory for as long as the socket is quiet.
-            del frames
+        await receive_forever(self.frontend, self._handle_client, "client_message_failed")
 
     def _handle_client(self, frames: list[zmq.Frame]) -> None:
         client = bytes(frames[0].buffer)
@@ -578,11 +560,10 @@ class Broker:
         }
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
-            self.backend_out.send_multipart([worker.identity, *message], flags=zmq.NOBLOCK, copy=False)
+            self.backend_out.send([worker.identity, *message])
             # The socket's file descriptor is edge-triggered: a send through the shadow can take
             # the edge that announced incoming messages, and the asyncio recv would then sleep
             # until the next one (seconds, with 8 programs in flight). Re-check its events now.
-            self.backend._schedule_remaining_events()  # type: ignore[operator]  # private to pyzmq
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -651,15 +632,7 @@ class Broker:
     # --- workers ---
 
     async def _worker_loop(self) -> None:
-        while True:
-            frames = await self.backend.recv_multipart(copy=False)
-            try:
-                self._handle_worker(frames)
-            except Exception:
-                log.exception("worker_message_failed")
-            # Drop this message's frames now, not when the next message arrives: a large upload or
-            # result would otherwise stay in memory for as long as the socket is quiet.
-            del frames
+        await receive_forever(self.backend, self._handle_worker, "worker_message_failed")
 
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
@@ -728,10 +701,7 @@ class Broker:
             self.leases.release(request.id)
             return
         try:
-            self.backend_out.send_multipart(
-                [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})], flags=zmq.NOBLOCK
-            )
-            self.backend._schedule_remaining_events()  # type: ignore[operator]  # see _start
+            self.backend_out.send([worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
             self.leases.release(request.id)
 
@@ -870,10 +840,7 @@ class Broker:
 
     def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         try:
-            self.frontend_out.send_multipart(
-                [client, *protocol.message(command, body, *frames)], flags=zmq.NOBLOCK, copy=False
-            )
-            self.frontend._schedule_remaining_events()  # type: ignore[operator]  # see _start
+            self.frontend_out.send([client, *protocol.message(command, body, *frames)])
         except zmq.ZMQError as exc:
             # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))

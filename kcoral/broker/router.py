@@ -57,10 +57,10 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.broker import versions
+from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 
 log = structlog.get_logger("kcoral.router")
 
-SOCKET_HIGH_WATER_MARK = 100_000
 NODE_WAIT_SECONDS = 10.0
 NODE_BLOB_MEMORY = 100_000  # digests remembered per node for blob affinity
 MAX_REMEMBERED_LOST_NODES = 256
@@ -176,10 +176,10 @@ class Router:
         self.instance_id = uuid.uuid4().hex[:12]
         self.started_at = time.time()
         self.context = zmq.asyncio.Context()
-        self.frontend = self._router()
-        self.backend = self._router()
-        self.frontend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.frontend.underlying)
-        self.backend_out: zmq.Socket[bytes] = zmq.Socket.shadow(self.backend.underlying)
+        self.frontend = router_socket(self.context)
+        self.backend = router_socket(self.context)
+        self.frontend_out = ImmediateSender(self.frontend)
+        self.backend_out = ImmediateSender(self.backend)
         self.requests: dict[str, RouterRequest] = {}
         self.queues: OrderedDict[bytes, deque[RouterRequest]] = OrderedDict()  # per client, round robin
         self.nodes: dict[bytes, Node] = {}  # live nodes by link identity
@@ -194,14 +194,6 @@ class Router:
         self.versions = versions()
         self.platform = platform.platform()
         self._tasks: list[asyncio.Task[None]] = []
-
-    def _router(self) -> zmq.asyncio.Socket:
-        sock = self.context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SOCKET_HIGH_WATER_MARK)
-        sock.setsockopt(zmq.RCVHWM, SOCKET_HIGH_WATER_MARK)
-        return sock
 
     # --- lifecycle ---
 
@@ -261,13 +253,7 @@ class Router:
     # --- clients ---
 
     async def _client_loop(self) -> None:
-        while True:
-            frames = await self.frontend.recv_multipart(copy=False)
-            try:
-                self._handle_client(frames)
-            except Exception:
-                log.exception("client_message_failed")
-            del frames  # a large upload is not kept alive while the socket is quiet
+        await receive_forever(self.frontend, self._handle_client, "client_message_failed")
 
     def _handle_client(self, frames: list[zmq.Frame]) -> None:
         client = bytes(frames[0].buffer)
@@ -372,13 +358,7 @@ class Router:
     # --- nodes ---
 
     async def _node_loop(self) -> None:
-        while True:
-            frames = await self.backend.recv_multipart(copy=False)
-            try:
-                self._handle_node(frames)
-            except Exception:
-                log.exception("node_message_failed")
-            del frames
+        await receive_forever(self.backend, self._handle_node, "node_message_failed")
 
     def _handle_node(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
@@ -609,14 +589,14 @@ class Router:
 
     def _send_client(self, client: bytes, message: list[Any], request_id: str | None) -> None:
         try:
-            self.frontend_out.send_multipart([client, *message], flags=zmq.NOBLOCK, copy=False)
+            self.frontend_out.send([client, *message])
         except zmq.ZMQError as exc:
             # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=request_id, error=str(exc))
 
     def _send_node(self, identity: bytes, message: list[Any]) -> bool:
         try:
-            self.backend_out.send_multipart([identity, *message], flags=zmq.NOBLOCK, copy=False)
+            self.backend_out.send([identity, *message])
         except zmq.ZMQError as exc:
             log.info("node_unreachable", link=identity.decode(errors="replace"), error=str(exc))
             return False
@@ -638,7 +618,7 @@ class Router:
                 self._dispatch()
 
     def _expire_nodes(self, now: float) -> None:
-        if cast(int, self.backend_out.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if cast(int, self.backend_out.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return  # messages are waiting to be read (this loop was busy): they may be heartbeats
         liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
         for node in [n for n in self.nodes.values() if now - n.last_heard > liveness and now > n.quiet_until]:

@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.broker.sockets import ImmediateSender
 
 log = structlog.get_logger("kcoral.upstream")
 
@@ -100,8 +101,8 @@ class UpstreamLink:
         self.router_instance: str | None = None
         self.in_flight: set[str] = set()
         self._local: zmq.asyncio.Socket | None = None
-        self._local_out: zmq.Socket[bytes] | None = None
-        self._link_out: zmq.Socket[bytes] | None = None
+        self._local_out: ImmediateSender | None = None
+        self._link_out: ImmediateSender | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ---
@@ -116,7 +117,7 @@ class UpstreamLink:
         local.connect(self.local_endpoint)
         self._local = local
         # Sends fail at once (NOBLOCK) instead of waiting in a future nobody reads.
-        self._local_out = zmq.Socket.shadow(local.underlying)
+        self._local_out = ImmediateSender(local)
         # Opened here, not in the task, so that a bad --upstream endpoint fails the start (ZMQError).
         link = self._open_link()
         self._tasks = [asyncio.create_task(self._local_loop()), asyncio.create_task(self._link_loop(link))]
@@ -129,7 +130,7 @@ class UpstreamLink:
             if self._link_out is not None:
                 # Give the goodbye a moment on the wire; the router would otherwise wait for
                 # HEARTBEAT_LIVENESS intervals before taking the node out of its pool.
-                self._link_out.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+                self._link_out.socket.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -154,7 +155,7 @@ class UpstreamLink:
         # A fresh identity per link: the router tells an old link's late messages from the new one's.
         sock.setsockopt(zmq.IDENTITY, f"n-{uuid.uuid4().hex}".encode())
         sock.connect(self.upstream)
-        self._link_out = zmq.Socket.shadow(sock.underlying)
+        self._link_out = ImmediateSender(sock)
         return sock
 
     async def _link_loop(self, sock: zmq.asyncio.Socket) -> None:
@@ -268,7 +269,7 @@ class UpstreamLink:
         if self._link_out is None:
             return False
         try:
-            self._link_out.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._link_out.send(frames)
         except zmq.ZMQError as exc:
             # IMMEDIATE: no connection to the router right now; what it would get is lost anyway.
             log.debug("upstream_send_failed", node=self.node_id, error=str(exc))
@@ -307,7 +308,7 @@ class UpstreamLink:
         if self._local_out is None:
             return False
         try:
-            self._local_out.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._local_out.send(frames)
         except zmq.ZMQError as exc:
             log.warning("upstream_broker_unreachable", node=self.node_id, error=str(exc))
             return False
