@@ -10,16 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import platform
 import shutil
 import signal
 import socket as stdlib_socket
 import tempfile
 import time
 import uuid
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +27,10 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, BlobStoreSettings, PreparedBlob
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
+from kcoral.broker.requests import Request, RequestQueue, Worker
 from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
-from kcoral.broker.target import TargetInfo, describe_target
+from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
 from kcoral.worker.sandbox import BLOBS as SANDBOX_BLOBS_DIR
 
@@ -85,36 +83,6 @@ class BrokerSettings:
     node_id: str | None = None
 
 
-@dataclass
-class Worker:
-    identity: bytes
-    slot: int
-    gpu: int | None
-    pid: int
-    request_id: str | None = None
-    exited: bool = False
-
-
-@dataclass
-class Request:
-    id: str
-    client: bytes
-    program: dict[str, Any]
-    options: protocol.ExecuteOptions
-    digests: list[str]
-    gpu_count: int
-    received_at: float = field(default_factory=time.monotonic)
-    state: str = "negotiating"
-    queued_at: float = 0.0
-    started_at: float = 0.0
-    worker: Worker | None = None
-    gpu_ids: tuple[int, ...] = ()
-    instruction_index: int | None = None
-    timer: asyncio.TimerHandle | None = None
-    lease_task: asyncio.Task[None] | None = None
-    bytes_received: int = 0
-
-
 class Broker:
     """Serves programs from clients to workers on one host."""
 
@@ -140,7 +108,7 @@ class Broker:
             )
         )
         self.requests: dict[str, Request] = {}
-        self.queues: OrderedDict[bytes, deque[Request]] = OrderedDict()  # per client, round robin
+        self.queue = RequestQueue()
         self.workers: dict[bytes, Worker] = {}
         self.idle: dict[bytes, Worker] = {}
         self.exited: dict[bytes, WorkerExit] = {}
@@ -479,7 +447,7 @@ class Broker:
             request.timer = None
         request.state = "queued"
         request.queued_at = time.monotonic()
-        self.queues.setdefault(request.client, deque()).append(request)
+        self.queue.push(request)
         self._send_client(request.client, protocol.PARTIAL, {"request_id": request.id, "state": "queued"})
         self._dispatch()
 
@@ -492,23 +460,9 @@ class Broker:
 
     # --- dispatch ---
 
-    def _next_request(self) -> Request | None:
-        # Round robin over clients: one busy client cannot starve the others.
-        for client in list(self.queues):
-            queue = self.queues[client]
-            if not queue:
-                del self.queues[client]
-                continue
-            request = queue.popleft()
-            self.queues.move_to_end(client)
-            if not queue:
-                del self.queues[client]
-            return request
-        return None
-
     def _dispatch(self) -> None:
         while self.idle:
-            request = self._next_request()
+            request = self.queue.pop()
             if request is None:
                 return
             worker = self._pick_worker()
@@ -569,8 +523,7 @@ class Broker:
             self.workers.pop(worker.identity, None)
             worker.request_id = None
             request.state = "queued"
-            self.queues.setdefault(request.client, deque()).appendleft(request)
-            self.queues.move_to_end(request.client, last=False)
+            self.queue.push_front(request)
             return
         request.timer = asyncio.get_running_loop().call_later(
             request.options.timeout_seconds, self._on_timeout, request
@@ -800,9 +753,7 @@ class Broker:
         self.leases.reclaim(request.id)
         self.blobs.unpin_owner(request.id)
         if request.state == "queued":
-            queue = self.queues.get(request.client)
-            if queue is not None and request in queue:
-                queue.remove(request)
+            self.queue.remove(request)
         result = body.get("result") or {}
         if body.get("ok") and result.get("status") == "COMPLETED":
             self.completed += 1
@@ -920,15 +871,6 @@ def _declared_bytes(program: dict[str, Any]) -> int:
             if key in ins:
                 protocol.decode_value(ins[key], visit)
     return sum(sizes.values())
-
-
-def versions() -> dict[str, str]:
-    found = {"python": platform.python_version(), "protocol": protocol.VERSION.decode()}
-    for package in ("kcoral", "pyzmq", "msgpack", "torch", "numpy"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            found[package] = metadata.version(package)
-    found["libzmq"] = zmq.zmq_version()
-    return found
 
 
 async def run_broker(settings: BrokerSettings) -> int:

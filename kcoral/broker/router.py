@@ -56,8 +56,8 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.broker import versions
 from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
+from kcoral.broker.target import versions
 
 log = structlog.get_logger("kcoral.router")
 

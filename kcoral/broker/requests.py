@@ -1,0 +1,84 @@
+"""What the broker knows of each program and worker, and the queue of programs waiting to start."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kcoral import protocol
+
+
+@dataclass
+class Worker:
+    """A worker process that said READY: its slot, its GPU, and the program it runs (if any)."""
+
+    identity: bytes
+    slot: int
+    gpu: int | None
+    pid: int
+    request_id: str | None = None
+    exited: bool = False
+
+
+@dataclass
+class Request:
+    """One program from a client, from EXECUTE to FINAL."""
+
+    id: str
+    client: bytes
+    program: dict[str, Any]
+    options: protocol.ExecuteOptions
+    digests: list[str]
+    gpu_count: int
+    received_at: float = field(default_factory=time.monotonic)
+    state: str = "negotiating"  # negotiating -> queued -> running -> done
+    queued_at: float = 0.0
+    started_at: float = 0.0
+    worker: Worker | None = None
+    gpu_ids: tuple[int, ...] = ()
+    instruction_index: int | None = None
+    timer: asyncio.TimerHandle | None = None
+    lease_task: asyncio.Task[None] | None = None
+    bytes_received: int = 0
+
+
+class RequestQueue:
+    """Programs waiting for a worker, one FIFO per client, served round robin across clients so
+    one busy client cannot starve the others."""
+
+    def __init__(self) -> None:
+        self._by_client: OrderedDict[bytes, deque[Request]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._by_client.values())
+
+    def push(self, request: Request) -> None:
+        self._by_client.setdefault(request.client, deque()).append(request)
+
+    def push_front(self, request: Request) -> None:
+        """Put back a request that could not start: first in line, its client served next."""
+        self._by_client.setdefault(request.client, deque()).appendleft(request)
+        self._by_client.move_to_end(request.client, last=False)
+
+    def pop(self) -> Request | None:
+        for client in list(self._by_client):
+            queue = self._by_client[client]
+            if not queue:
+                del self._by_client[client]
+                continue
+            request = queue.popleft()
+            self._by_client.move_to_end(client)
+            if not queue:
+                del self._by_client[client]
+            return request
+        return None
+
+    def remove(self, request: Request) -> None:
+        queue = self._by_client.get(request.client)
+        if queue is not None and request in queue:
+            queue.remove(request)
+            if not queue:
+                del self._by_client[request.client]
