@@ -88,7 +88,8 @@ def tuple_bomb(depth: int) -> bytes:
     return raw_body({"request_id": "bomb", "x": msgpack.ExtType(protocol.EXT_TUPLE, b"\x91" + inner)})
 
 
-# Messages the broker cannot attribute to a request: dropped, with a log line saying why.
+# Messages the broker cannot read: logged with the reason; dropped, unless their body still names a
+# request id (read without decoding the rest), which then gets a FINAL parse error (ANSWERED).
 DROPPED: list[tuple[str, list[bytes], str]] = [
     ("one frame", [b"KC1"], "message has 1 frames"),
     ("two frames", [b"KC1", protocol.HEALTH], "message has 2 frames"),
@@ -121,6 +122,9 @@ DROPPED: list[tuple[str, list[bytes], str]] = [
 ]
 
 
+ANSWERED = {"nested tuples": "bomb", "unknown extension": "e", "bad digest in a tensor": "t"}
+
+
 def test_malformed_messages_are_dropped_with_a_log_line(
     broker_factory: BrokerFactory, context: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
@@ -135,6 +139,11 @@ def test_malformed_messages_are_dropped_with_a_log_line(
         sock.send_multipart(protocol.message(protocol.HEALTH, {"request_id": f"after-{index}"}))
         reply = receive(sock, REPLY_TIMEOUT_SECONDS)
         assert reply is not None, f"{name}: the broker stopped answering"
+        if name in ANSWERED:
+            assert reply[0] == protocol.FINAL and reply[1]["request_id"] == ANSWERED[name], f"{name}: {reply}"
+            assert reply[1]["ok"] is False and reply[1]["error"]["kind"] == "parse", f"{name}: {reply}"
+            reply = receive(sock, REPLY_TIMEOUT_SECONDS)
+            assert reply is not None, f"{name}: the broker stopped answering"
         assert reply[1]["request_id"] == f"after-{index}", f"{name}: a dropped message got a reply: {reply}"
         assert reply[1]["ok"] is True
         wait_for_log(broker, logged, before)

@@ -235,6 +235,7 @@ class Broker:
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
             log.warning("bad_client_message", error=str(exc), frames=len(frames) - 1)
+            self._answer_unreadable(client, frames, exc)
             return
         request_id = body.get("request_id")
         try:
@@ -252,6 +253,18 @@ class Broker:
                 self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
             else:
                 self._reply_error(client, request_id, "engine", f"internal error in the broker: {exc!r}")
+
+    def _answer_unreadable(self, client: bytes, frames: list[zmq.Frame], exc: protocol.WireError) -> None:
+        """Answer a message the broker cannot read, where its request id can still be found, so
+        its sender is told why instead of waiting."""
+        if len(frames) < 4 or bytes(frames[1].buffer) != protocol.VERSION:
+            return
+        try:
+            request_id = protocol.peek_request_id(frames[3].buffer)
+        except protocol.WireError:
+            return
+        if request_id not in self.requests:
+            self._reply_error(client, request_id, "parse", f"unreadable message: {exc}")
 
     def _dispatch_command(
         self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
@@ -375,7 +388,12 @@ class Broker:
         prepared: dict[str, PreparedBlob] | None = None,
     ) -> None:
         request = self.requests.get(request_id)
-        if request is None or request.client != client or request.state != "negotiating":
+        if request is not None and request.client == client and request.state != "negotiating":
+            # A late or repeated BLOBS for this client's own program: the program goes on, and a
+            # FINAL here would end the client's wait for its real result.
+            log.info("late_blobs_ignored", request_id=request_id, state=request.state)
+            return
+        if request is None or request.client != client:
             self._reply_error(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
             return
         if self._store_blobs(request, body, data, prepared):
