@@ -1,0 +1,514 @@
+"""The program interpreter: executes a program's instructions in order, as data in, data out.
+
+Each instruction (upload, get_function, run, the returns) runs against the values earlier ones
+created; a failure becomes an error dict with the contract's kind, the instruction's index, op and
+id, and the user's traceback. ``run`` of a function that is not ``cpu_only`` holds the GPU lease,
+asked of the broker through :class:`LeaseChannel`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import mmap
+import os
+import stat
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kcoral import protocol
+from kcoral.errors import ExecutionError
+
+OPS = ("upload", "upload_file", "upload_folder", "get_function", "run", "return", "return_file", "return_folder")
+CUDA_POISON_MARKERS = (
+    "illegal memory access",
+    "illegal address",
+    "unspecified launch failure",
+    "misaligned address",
+    "device-side assert",
+    "an illegal instruction",
+)
+
+
+class InstructionFailure(Exception):
+    """Raised inside the interpreter to fail the current instruction with a kind."""
+
+    def __init__(self, kind: str, message: str, tb: str = "", index: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.tb = tb
+        self.index = index
+
+
+@dataclass
+class FunctionValue:
+    """What get_function created: the callable and whether it may touch the GPU."""
+
+    fn: Callable[..., Any]
+    cpu_only: bool
+    name: str
+
+
+@dataclass
+class LeaseTimes:
+    wait_ms: float = 0.0
+    held_ms: float = 0.0
+
+
+class LeaseChannel:
+    """The worker's side of GPU leases: ask the broker, wait for the grant, release."""
+
+    def __init__(self, socket: zmq.Socket[bytes] | None, request_id: str, gpu_ids: list[int]) -> None:
+        self.socket = socket
+        self.request_id = request_id
+        self.gpu_ids = gpu_ids
+        self.times = LeaseTimes()
+
+    def needed(self) -> bool:
+        return self.socket is not None and bool(self.gpu_ids)
+
+    def acquire(self) -> float:
+        assert self.socket is not None
+        start = time.monotonic()
+        self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
+        while True:
+            command, body, _ = protocol.split_message(self.socket.recv_multipart())
+            if command == protocol.GRANT and body.get("request_id") == self.request_id:
+                break
+            if command == protocol.DISCONNECT:
+                os._exit(0)
+        granted = time.monotonic()
+        self.times.wait_ms += (granted - start) * 1000
+        return granted
+
+    def release(self, granted: float) -> None:
+        assert self.socket is not None
+        self.times.held_ms += (time.monotonic() - granted) * 1000
+        self.socket.send_multipart(protocol.message(protocol.RELEASE, {"request_id": self.request_id}))
+
+
+@dataclass
+class Interpreter:
+    """Executes one program's instructions in order inside ``run_dir``."""
+
+    request: dict[str, Any]
+    blobs: Mapping[str, memoryview]
+    run_dir: Path
+    lease: LeaseChannel
+    progress: Callable[[int], None] = lambda index: None
+    values: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)
+    frames: list[Any] = field(default_factory=list)
+    response_bytes: int = 0
+    max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
+    retire_reason: str = ""
+    modules: list[str] = field(default_factory=list)
+
+    @property
+    def workdir(self) -> Path:
+        return self.run_dir / "work"
+
+    def execute(self) -> dict[str, Any] | None:
+        """Run every instruction; return the error dict of the first failure, or None."""
+        program = self.request.get("program")
+        instructions = program.get("instructions") if isinstance(program, dict) else None
+        try:
+            checked = check_instructions(instructions)
+        except InstructionFailure as failure:
+            op = ident = None
+            if failure.index is not None and isinstance(instructions, list):
+                bad = instructions[failure.index]
+                if isinstance(bad, dict):
+                    op, ident = bad.get("op"), bad.get("id")
+            return {
+                "kind": "parse",
+                "message": failure.message,
+                "instruction_index": failure.index,
+                "instruction_op": op if isinstance(op, str) else None,
+                "instruction_id": ident if isinstance(ident, str) else None,
+                "traceback": "",
+            }
+        for index, instruction in enumerate(checked):
+            self.progress(index)
+            try:
+                self._step(instruction)
+            except InstructionFailure as failure:
+                return {
+                    "kind": failure.kind,
+                    "message": failure.message,
+                    "instruction_index": index,
+                    "instruction_op": instruction["op"],
+                    "instruction_id": instruction["id"],
+                    "traceback": failure.tb,
+                }
+        return None
+
+    # --- instructions ---
+
+    def _step(self, ins: dict[str, Any]) -> None:
+        op = ins["op"]
+        if op == "upload":
+            self.values[ins["id"]] = self._upload(ins)
+        elif op == "upload_file":
+            self._place_file(ins["path"], self._blob(ins["blob"]), int(ins.get("mode", 0o644)))
+            self.values[ins["id"]] = ins["path"]
+        elif op == "upload_folder":
+            base = ins["path"]
+            (self.workdir / base).mkdir(parents=True, exist_ok=True)
+            for rel, digest, mode, *_ in ins["files"]:
+                self._place_file(f"{base}/{_relative(rel)}", self._blob(digest), int(mode))
+            self.values[ins["id"]] = base
+        elif op == "get_function":
+            self.values[ins["id"]] = self._get_function(ins)
+        elif op == "run":
+            self.values[ins["id"]] = self._run(ins)
+        elif op == "return":
+            self._return_value(ins["key"], self._resolve(ins.get("value")))
+        elif op == "return_file":
+            self._return_file(ins["key"], ins["path"])
+        elif op == "return_folder":
+            self._return_folder(ins["key"], ins["path"])
+
+    def _upload(self, ins: dict[str, Any]) -> Any:
+        kind = ins.get("kind")
+        if kind == "module":
+            source = ins.get("source")
+            if source is None:
+                source = bytes(self._blob(ins["blob"])).decode("utf-8", errors="strict")
+            return self._load_module(ins["id"], source)
+        if kind == "tensor":
+            spec = ins.get("tensor")
+            if not isinstance(spec, protocol.TensorSpec) or not isinstance(spec.source, str):
+                raise InstructionFailure("parse", "upload(kind='tensor') without a tensor spec")
+            return self._tensor(spec)
+        if kind == "bytes":
+            return bytes(self._blob(ins["blob"]))
+        if kind == "library":
+            path = self.run_dir / "libs" / f"{ins['id']}.so"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(self._blob(ins["blob"]))
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError as exc:
+                raise InstructionFailure("compile", f"cannot load the library: {exc}") from exc
+        raise InstructionFailure("parse", f"unknown upload kind {kind!r}")
+
+    def _load_module(self, id: str, source: str) -> types.ModuleType:
+        name = f"kcoral_upload_{id.replace('.', '_').replace(':', '_').replace('-', '_')}"
+        path = self.run_dir / "modules" / f"{id}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)  # a real file, so tracebacks, inspect and JIT compilers find the source
+        try:
+            code = compile(source, str(path), "exec")
+        except SyntaxError as exc:
+            raise InstructionFailure(
+                "compile", f"SyntaxError: {exc.msg} (line {exc.lineno})", _user_traceback(exc)
+            ) from exc
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        sys.modules[name] = module
+        self.modules.append(name)
+        try:
+            exec(code, module.__dict__)
+        except ExecutionError as exc:
+            raise InstructionFailure(exc.kind, exc.message, _user_traceback(exc)) from exc
+        except BaseException as exc:
+            raise InstructionFailure(
+                "compile", f"importing the module raised {describe_exception(exc)}", _user_traceback(exc)
+            ) from exc
+        return module
+
+    def _get_function(self, ins: dict[str, Any]) -> FunctionValue:
+        target = self._value(ins["module"])
+        if isinstance(target, FunctionValue):
+            target = target.fn
+        name = ins.get("name")
+        if not isinstance(name, str) or not name:
+            raise InstructionFailure("parse", "get_function needs a name")
+        obj = target
+        for part in name.split("."):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise InstructionFailure("compile", f"{ins['module']!r} has no attribute {name!r}") from None
+        if not callable(obj):
+            raise InstructionFailure("compile", f"{name!r} in {ins['module']!r} is not callable")
+        return FunctionValue(obj, bool(ins.get("cpu_only", False)), name)
+
+    def _run(self, ins: dict[str, Any]) -> Any:
+        target = self._value(ins["fn"])
+        if isinstance(target, FunctionValue):
+            fn, cpu_only, name = target.fn, target.cpu_only, target.name
+        elif callable(target):
+            fn, cpu_only, name = target, False, ins["fn"]
+        else:
+            raise InstructionFailure("runtime", f"{ins['fn']!r} is a {type(target).__name__}, not callable")
+        args = [self._resolve(a) for a in ins.get("args", [])]
+        args = [a.fn if isinstance(a, FunctionValue) else a for a in args]
+        if cpu_only or not self.lease.needed():
+            return self._call_cpu_only(fn, args, name) if cpu_only else self._call(fn, args)
+        granted = self.lease.acquire()
+        try:
+            return self._call(fn, args)
+        finally:
+            self._synchronize_gpu()
+            self.lease.release(granted)
+
+    def _call(self, fn: Callable[..., Any], args: list[Any]) -> Any:
+        try:
+            return fn(*args)
+        except ExecutionError as exc:
+            raise InstructionFailure(exc.kind, exc.message, _user_traceback(exc)) from exc
+        except AssertionError as exc:
+            raise InstructionFailure("correctness", describe_exception(exc), _user_traceback(exc)) from exc
+        except BaseException as exc:
+            if _is_cuda_poison(exc):
+                self.retire_reason = f"CUDA context unusable: {exc}"
+            raise InstructionFailure("runtime", describe_exception(exc), _user_traceback(exc)) from exc
+
+    def _call_cpu_only(self, fn: Callable[..., Any], args: list[Any], name: str) -> Any:
+        guard = _gpu_access_guard()
+        if guard is None:
+            return self._call(fn, args)
+        with guard:
+            try:
+                value = self._call(fn, args)
+            except InstructionFailure as failure:
+                if guard.violation:
+                    raise InstructionFailure(
+                        "gpu_access", f"cpu_only function {name!r} called {guard.violation}", failure.tb
+                    ) from failure
+                raise
+        if guard.violation:
+            raise InstructionFailure("gpu_access", f"cpu_only function {name!r} called {guard.violation}")
+        return value
+
+    def _synchronize_gpu(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
+        try:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        except Exception as exc:
+            if _is_cuda_poison(exc):
+                self.retire_reason = f"CUDA context unusable: {exc}"
+
+    def _return_value(self, key: str, value: Any) -> None:
+        if isinstance(value, FunctionValue):
+            raise InstructionFailure("serialization", f"cannot return {key!r}: it is a function")
+        try:
+            encoded = protocol.encode_value(value, self._add_frame, bytes_to_frames=True)
+        except protocol.WireError as exc:
+            raise InstructionFailure("serialization", f"cannot return {key!r}: {exc}") from exc
+        self.results[key] = encoded
+
+    def _return_file(self, key: str, path: str) -> None:
+        target = self._inside_workdir(path)
+        if not target.is_file():
+            raise InstructionFailure("runtime", f"return_file {key!r}: no regular file at {path!r}")
+        data = target.read_bytes()
+        self.results[key] = protocol.FileSpec(target.name, self._add_frame(data), stat.S_IMODE(target.stat().st_mode))
+
+    def _return_folder(self, key: str, path: str) -> None:
+        root = self._inside_workdir(path)
+        if not root.is_dir():
+            raise InstructionFailure("runtime", f"return_folder {key!r}: no folder at {path!r}")
+        files: list[tuple[str, int, int]] = []
+        for current, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not (Path(current) / d).is_symlink())
+            for name in sorted(filenames):
+                local = Path(current) / name
+                st = local.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # symlinks and special files stay behind: they could point anywhere
+                rel = local.relative_to(root).as_posix()
+                files.append((rel, self._add_frame(local.read_bytes()), stat.S_IMODE(st.st_mode)))
+        self.results[key] = protocol.FolderSpec(tuple(files))
+
+    # --- helpers ---
+
+    def _add_frame(self, data: memoryview | bytes) -> int:
+        self.response_bytes += len(data)
+        if self.response_bytes > self.max_response_bytes:
+            # Not an instruction error kind: the broker answers the request with the request error
+            # response_too_large, since results this large cannot come back at all.
+            raise InstructionFailure(
+                "response_too_large",
+                f"the results are over {self.max_response_bytes} bytes, the most this service returns",
+            )
+        self.frames.append(data)
+        return len(self.frames) - 1
+
+    def _value(self, id: str) -> Any:
+        try:
+            return self.values[id]
+        except KeyError:
+            raise InstructionFailure("parse", f"reference {id!r} has no value") from None
+
+    def _resolve(self, tree: Any) -> Any:
+        def convert(obj: Any) -> Any:
+            if isinstance(obj, protocol.RefValue):
+                return self._value(obj.id)
+            if isinstance(obj, protocol.TensorSpec) and isinstance(obj.source, str):
+                return self._tensor(obj)
+            raise InstructionFailure("parse", f"unexpected {type(obj).__name__} in arguments")
+
+        return protocol.decode_value(tree, convert)
+
+    def _tensor(self, spec: protocol.TensorSpec) -> Any:
+        assert isinstance(spec.source, str)
+        data = self._blob(spec.source)
+        # A private copy-on-write mapping (a large blob from the disk cache, mapped anew for each
+        # use) is already this tensor's own memory: build the tensor over it instead of copying.
+        private = isinstance(data.obj, mmap.mmap) and not data.readonly
+        try:
+            return protocol.tensor_from_wire(spec, data, prefer_torch=True, copy=not private)
+        except protocol.WireError as exc:
+            raise InstructionFailure("parse", str(exc)) from exc
+
+    def _blob(self, digest: str) -> memoryview:
+        try:
+            return self.blobs[digest]
+        except KeyError:
+            raise InstructionFailure("parse", f"blob {digest[:12]}... was not delivered") from None
+
+    def _inside_workdir(self, path: str) -> Path:
+        rel = _relative(path)
+        target = (self.workdir / rel).resolve()
+        root = self.workdir.resolve()
+        if target != root and root not in target.parents:
+            raise InstructionFailure("runtime", f"{path!r} resolves outside the working directory")
+        return target
+
+    def _place_file(self, path: str, data: memoryview, mode: int) -> None:
+        target = self.workdir / _relative(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        parent = target.parent.resolve()
+        root = self.workdir.resolve()
+        if parent != root and root not in parent.parents:
+            raise InstructionFailure("runtime", f"{path!r} resolves outside the working directory")
+        if target.is_symlink():
+            target.unlink()
+        target.write_bytes(data)
+        os.chmod(target, (mode & 0o755) | 0o600)
+
+
+def check_instructions(instructions: Any) -> list[dict[str, Any]]:
+    """Validate a program's structure before anything runs; InstructionFailure('parse') if bad."""
+    if not isinstance(instructions, list):
+        raise InstructionFailure("parse", "program.instructions must be a list")
+    if len(instructions) > protocol.MAX_INSTRUCTIONS:
+        raise InstructionFailure("parse", f"more than {protocol.MAX_INSTRUCTIONS} instructions")
+    seen: set[str] = set()
+    keys: set[str] = set()
+    for index, ins in enumerate(instructions):
+        try:
+            _check_instruction(index, ins, seen, keys)
+        except InstructionFailure as failure:
+            failure.index = index
+            raise
+    return instructions
+
+
+def _check_instruction(index: int, ins: Any, seen: set[str], keys: set[str]) -> None:
+    where = f"instruction {index}"
+    if not isinstance(ins, dict):
+        raise InstructionFailure("parse", f"{where} is not a map")
+    op = ins.get("op")
+    if op not in OPS:
+        raise InstructionFailure("parse", f"{where}: unknown op {op!r}")
+    try:
+        ident = protocol.check_id(ins.get("id"), f"{where} id")
+        for name in ("module", "fn"):
+            if name in ins:
+                ref = protocol.check_id(ins[name], f"{where} {name}")
+                if ref not in seen:
+                    raise InstructionFailure("parse", f"{where}: {name} {ref!r} names no earlier instruction")
+        for name in ("path",):
+            if name in ins or op in ("upload_file", "upload_folder", "return_file", "return_folder"):
+                _relative(ins.get(name))
+        if op in ("upload_file", "upload_folder", "upload") and "blob" in ins:
+            protocol.check_digest(ins["blob"])
+        if op == "upload_folder":
+            files = ins.get("files")
+            if not isinstance(files, list):
+                raise InstructionFailure("parse", f"{where}: upload_folder without a files list")
+            for entry in files:
+                if not isinstance(entry, list) or len(entry) < 3:
+                    raise InstructionFailure("parse", f"{where}: bad folder entry")
+                _relative(entry[0])
+                protocol.check_digest(entry[1])
+        if op in ("return", "return_file", "return_folder"):
+            key = ins.get("key")
+            if not isinstance(key, str) or not key or key in keys:
+                raise InstructionFailure("parse", f"{where}: missing or duplicate return key {key!r}")
+            keys.add(key)
+        for ref in _references(ins.get("args", [])) + _references(ins.get("value")):
+            if ref not in seen:
+                raise InstructionFailure("parse", f"{where}: reference {ref!r} names no earlier instruction")
+    except protocol.WireError as exc:
+        raise InstructionFailure("parse", str(exc)) from exc
+    if ident in seen:
+        raise InstructionFailure("parse", f"{where}: duplicate id {ident!r}")
+    if op == "run" and not isinstance(ins.get("args", []), (list, tuple)):
+        raise InstructionFailure("parse", f"{where}: run args must be a list")
+    seen.add(ident)
+
+
+def _references(tree: Any) -> list[str]:
+    found: list[str] = []
+
+    def convert(obj: Any) -> Any:
+        if isinstance(obj, protocol.RefValue):
+            found.append(obj.id)
+        return obj
+
+    protocol.decode_value(tree, convert)
+    return found
+
+
+def _relative(path: Any) -> str:
+    from kcoral.client.program import check_relative_path
+
+    try:
+        return check_relative_path(path)
+    except ValueError as exc:
+        raise protocol.WireError(str(exc)) from exc
+
+
+def describe_exception(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without the interpreter's own frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _is_cuda_poison(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(marker in text for marker in CUDA_POISON_MARKERS)
+
+
+def _gpu_access_guard() -> Any:
+    """The guard that makes CUDA calls in cpu_only functions fail (None where builtins lacks it)."""
+    try:
+        builtins = importlib.import_module("kcoral.builtins")
+    except ImportError:
+        return None
+    guard_type = getattr(builtins, "GpuAccessGuard", None)
+    return guard_type() if guard_type is not None else None
