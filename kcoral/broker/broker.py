@@ -28,7 +28,7 @@ from kcoral import protocol
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import OFF_LOOP_UPLOAD_BYTES, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
-from kcoral.broker.requests import Request, RequestQueue, Worker
+from kcoral.broker.requests import Request, RequestQueue, Worker, until_no_requests
 from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
@@ -199,9 +199,7 @@ class Broker(ProgramIntake):
         asyncio.get_running_loop().create_task(self._finish_draining())
 
     async def _finish_draining(self) -> None:
-        deadline = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
-        while self.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until_no_requests(self.requests, SHUTDOWN_DRAIN_SECONDS)
         self.stopped.set()
 
     async def close(self) -> None:
@@ -242,13 +240,16 @@ class Broker(ProgramIntake):
         try:
             self._dispatch_command(client, command, request_id, body, data)
         except Exception as exc:
-            # A bug must not leave a request in limbo with its client waiting: answer it.
-            log.exception("client_command_failed", request_id=request_id, command=command.hex())
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
-            else:
-                self._reply_error(client, request_id, "engine", f"internal error in the broker: {exc!r}")
+            self._fail_internal(client, request_id, command, exc)
+
+    def _fail_internal(self, client: bytes, request_id: str, command: bytes, exc: Exception) -> None:
+        """A bug must not leave a request in limbo with its client waiting: answer it."""
+        log.exception("client_command_failed", request_id=request_id, command=command.hex())
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
+        else:
+            self._reply_error(client, request_id, "engine", f"internal error in the broker: {exc!r}")
 
     def _answer_unreadable(self, client: bytes, frames: list[zmq.Frame], exc: protocol.WireError) -> None:
         """Answer a message the broker cannot read, where its request id can still be found, so

@@ -53,6 +53,9 @@ class ProgramIntake:
     def _dispatch(self) -> None:
         raise NotImplementedError
 
+    def _fail_internal(self, client: bytes, request_id: str, command: bytes, exc: Exception) -> None:
+        raise NotImplementedError
+
     async def _prepare_then(
         self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
     ) -> None:
@@ -74,10 +77,7 @@ class ProgramIntake:
             else:
                 self._on_blobs(client, request_id, body, data, prepared)
         except Exception as exc:
-            log.exception("client_command_failed", request_id=request_id, command=command.hex())
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
+            self._fail_internal(client, request_id, command, exc)
 
     def _on_execute(
         self,

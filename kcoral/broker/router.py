@@ -56,6 +56,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.broker.requests import until_no_requests
 from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.target import versions
 
@@ -230,9 +231,7 @@ class Router:
         asyncio.get_running_loop().create_task(self._finish_draining())
 
     async def _finish_draining(self) -> None:
-        deadline = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
-        while self.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await until_no_requests(self.requests, SHUTDOWN_DRAIN_SECONDS)
         self.stopped.set()
 
     async def close(self) -> None:
