@@ -545,6 +545,14 @@ def parse_options(raw: Any) -> ExecuteOptions:
     return ExecuteOptions(float(timeout), gpu_count, limit)
 
 
+def parse_execute(body: dict[str, Any]) -> tuple[dict[str, Any], ExecuteOptions, list[str]]:
+    """The program, its options and its blob digests from an EXECUTE body; WireError if bad."""
+    program = body.get("program")
+    if not isinstance(program, dict):
+        raise WireError("EXECUTE needs a program map")
+    return program, parse_options(body.get("options")), program_digests(program)
+
+
 def program_digests(program: dict[str, Any]) -> list[str]:
     """Every blob digest a program's instructions name, in order, without duplicates."""
     found: dict[str, None] = {}

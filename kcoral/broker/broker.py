@@ -104,7 +104,7 @@ class Broker(ProgramIntake):
             )
         )
         self.requests: dict[str, Request] = {}
-        self.queue = RequestQueue()
+        self.queue: RequestQueue[Request] = RequestQueue()
         self.workers: dict[bytes, Worker] = {}
         self.idle: dict[bytes, Worker] = {}
         self.exited: dict[bytes, WorkerExit] = {}

@@ -37,7 +37,7 @@ class ProgramIntake:
     settings: BrokerSettings
     blobs: BlobStore
     requests: dict[str, Request]
-    queue: RequestQueue
+    queue: RequestQueue[Request]
     draining: bool
     gpu_ids: tuple[int, ...]
 
@@ -98,11 +98,7 @@ class ProgramIntake:
             self._reply_error(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
             return
         try:
-            program = body.get("program")
-            if not isinstance(program, dict):
-                raise protocol.WireError("EXECUTE needs a program map")
-            options = protocol.parse_options(body.get("options"))
-            digests = protocol.program_digests(program)
+            program, options, digests = protocol.parse_execute(body)
             declared = declared_bytes(program)
         except protocol.WireError as exc:
             self._reply_error(client, request_id, "parse", str(exc))

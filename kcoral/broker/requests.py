@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from kcoral import protocol
 
@@ -46,25 +46,34 @@ class Request:
     bytes_received: int = 0
 
 
-class RequestQueue:
-    """Programs waiting for a worker, one FIFO per client, served round robin across clients so
-    one busy client cannot starve the others."""
+class FromClient(Protocol):
+    client: bytes
+
+
+QueuedT = TypeVar("QueuedT", bound=FromClient)
+
+
+class RequestQueue(Generic[QueuedT]):
+    """Programs waiting to start, one FIFO per client, served round robin across clients so one
+    busy client cannot starve the others. The broker queues its requests here, the router its own."""
 
     def __init__(self) -> None:
-        self._by_client: OrderedDict[bytes, deque[Request]] = OrderedDict()
+        self._by_client: OrderedDict[bytes, deque[QueuedT]] = OrderedDict()
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_client.values())
 
-    def push(self, request: Request) -> None:
+    def push(self, request: QueuedT) -> None:
         self._by_client.setdefault(request.client, deque()).append(request)
 
-    def push_front(self, request: Request) -> None:
-        """Put back a request that could not start: first in line, its client served next."""
+    def push_front(self, request: QueuedT, *, serve_client_next: bool = True) -> None:
+        """Put back a request that could not start, first in its client's line; unless told
+        otherwise, that client is also served next."""
         self._by_client.setdefault(request.client, deque()).appendleft(request)
-        self._by_client.move_to_end(request.client, last=False)
+        if serve_client_next:
+            self._by_client.move_to_end(request.client, last=False)
 
-    def pop(self) -> Request | None:
+    def pop(self) -> QueuedT | None:
         for client in list(self._by_client):
             queue = self._by_client[client]
             if not queue:
@@ -77,7 +86,7 @@ class RequestQueue:
             return request
         return None
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: QueuedT) -> None:
         queue = self._by_client.get(request.client)
         if queue is not None and request in queue:
             queue.remove(request)

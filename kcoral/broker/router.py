@@ -47,7 +47,7 @@ import signal
 import socket as stdlib_socket
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -56,7 +56,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.requests import until_no_requests
+from kcoral.broker.requests import RequestQueue, until_no_requests
 from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.target import versions
 
@@ -182,7 +182,7 @@ class Router:
         self.frontend_out = ImmediateSender(self.frontend)
         self.backend_out = ImmediateSender(self.backend)
         self.requests: dict[str, RouterRequest] = {}
-        self.queues: OrderedDict[bytes, deque[RouterRequest]] = OrderedDict()  # per client, round robin
+        self.queue: RequestQueue[RouterRequest] = RequestQueue()
         self.nodes: dict[bytes, Node] = {}  # live nodes by link identity
         self.lost_nodes: OrderedDict[str, Node] = OrderedDict()  # by node id, for health
         self.pool_empty_since: float | None = time.monotonic()
@@ -292,15 +292,11 @@ class Router:
         if self.draining:
             self._refuse(client, request_id, "busy", "the router is shutting down")
             return
-        if self.queued_count() >= self.settings.max_queued:
+        if len(self.queue) >= self.settings.max_queued:
             self._refuse(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
             return
         try:
-            program = body.get("program")
-            if not isinstance(program, dict):
-                raise protocol.WireError("EXECUTE needs a program map")
-            options = protocol.parse_options(body.get("options"))
-            digests = protocol.program_digests(program)
+            _, options, digests = protocol.parse_execute(body)
         except protocol.WireError as exc:
             self._refuse(client, request_id, "parse", str(exc))
             return
@@ -311,7 +307,7 @@ class Router:
             return
         request = RouterRequest(request_id, client, gpu_count, digests, message)
         self.requests[request_id] = request
-        self.queues.setdefault(client, deque()).append(request)
+        self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
         self._dispatch()
 
@@ -492,30 +488,13 @@ class Router:
 
     # --- dispatch ---
 
-    def queued_count(self) -> int:
-        return sum(len(queue) for queue in self.queues.values())
-
-    def _pop_queued(self) -> RouterRequest | None:
-        # Round robin over clients: one busy client cannot starve the others.
-        for client in list(self.queues):
-            queue = self.queues[client]
-            if not queue:
-                del self.queues[client]
-                continue
-            request = queue.popleft()
-            self.queues.move_to_end(client)
-            if not queue:
-                del self.queues[client]
-            return request
-        return None
-
     def _dispatch(self) -> None:
         ready = [n for n in self.nodes.values() if n.dispatchable]
-        if not ready or not self.queues:
+        if not ready or not self.queue:
             return
         deferred: list[RouterRequest] = []
         while ready:
-            request = self._pop_queued()
+            request = self.queue.pop()
             if request is None:
                 break
             node = self._choose_node(request, ready)
@@ -524,7 +503,7 @@ class Router:
             ready = [n for n in ready if n.dispatchable]
         # Those that fit no free node keep their place at the head of their client's queue.
         for request in reversed(deferred):
-            self.queues.setdefault(request.client, deque()).appendleft(request)
+            self.queue.push_front(request, serve_client_next=False)
 
     def _choose_node(self, request: RouterRequest, ready: list[Node]) -> Node | None:
         fits = [n for n in ready if n.gpu_count >= request.gpu_count]
@@ -565,11 +544,7 @@ class Router:
         if request.node is not None:
             request.node.requests.pop(request.id, None)
         else:
-            queue = self.queues.get(request.client)
-            if queue is not None and request in queue:
-                queue.remove(request)
-                if not queue:
-                    del self.queues[request.client]
+            self.queue.remove(request)
         self.counters["finished"] += 1
         self._send_client(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
@@ -648,7 +623,7 @@ class Router:
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
         live = list(self.nodes.values())
-        queued = self.queued_count()
+        queued = len(self.queue)
         return {
             "status": "draining" if self.draining else "ok",
             "role": "router",
