@@ -177,7 +177,8 @@ def test_same_program_twice_and_new_process_each_time(client: Client) -> None:
             "run",
         ),
         (
-            "from kcoral.errors import ExecutionError\ndef f():\n    raise ExecutionError('integrity', 'timer patched')\n",
+            "from kcoral.errors import ExecutionError\n"
+            "def f():\n    raise ExecutionError('integrity', 'timer patched')\n",
             "f",
             "integrity",
             "run",
