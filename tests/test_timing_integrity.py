@@ -3,6 +3,7 @@ trusted-state snapshot, the timed loop's brackets, inputs and output checks, and
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -127,6 +128,21 @@ def test_work_between_the_calls_that_is_not_the_timers_is_foreign() -> None:
     assert any("between the timed calls" in reason for reason in reasons)
 
 
+def test_work_hidden_under_the_timers_own_ids_is_counted_and_named_forged() -> None:
+    """A candidate that reads the id block from the timer's frames and launches under its ids."""
+    activities = [
+        kernel(1, 1_010, 1_900, "spin"),  # the genuine hold, launched at 1_050 (before the call)
+        kernel(2, 2_000, 4_500, "gemm"),  # launched inside the call under the hold's id
+        kernel(3, 4_600, 4_700, "gemm2"),  # launched inside the call under a gap id
+    ]
+    external = {1: BASE + HOLD_ID_OFFSET, 2: BASE + HOLD_ID_OFFSET, 3: BASE + GAP_ID_OFFSET + 1}
+    api_ends = {1: 1_050, 2: 1_500, 3: 1_600}
+    timings = attribute(activities, external, two_windows()[:1], BASE, api_ends=api_ends)
+    assert timings.forged_activities == 2
+    assert timings.spans_ms == [pytest.approx((4_700 - 2_000) / 1e6)]
+    assert timings.holds_seen == 1
+
+
 def test_a_call_that_launched_nothing_is_empty_and_still_has_a_host_time() -> None:
     timings = attribute([kernel(1, 2_000, 2_100)], {1: BASE}, two_windows(), BASE)
     assert timings.empty_calls == 1
@@ -198,7 +214,7 @@ class FakeRunner:
         self.fn = fn
         self.next_index = 0
         self.torch = torch
-        self.trusted = SimpleNamespace(event=None)
+        self.trusted = SimpleNamespace(event=None, plain_torch=contextlib.nullcontext)
 
     def next_inputs(self) -> tuple[int, tuple[Any, ...]]:
         self.next_index += 1
@@ -327,14 +343,19 @@ def test_a_user_check_sees_each_kept_output_with_its_inputs() -> None:
     assert caught.value.kind == "correctness" and "returned False" in caught.value.message
 
 
-def test_snapshots_are_plain_tensors() -> None:
-    class Lying(torch.Tensor):
-        pass
-
-    value = torch.ones(2).as_subclass(Lying)
+def test_snapshots_are_plain_tensors_and_subclasses_are_refused() -> None:
+    value = torch.ones(2)
     copied = inputs.snapshot(torch, (value, [value], {"a": value}))
     assert type(copied[0]) is torch.Tensor and type(copied[1][0]) is torch.Tensor
     assert type(copied[2]["a"]) is torch.Tensor
+    assert copied[0].data_ptr() != value.data_ptr()
+
+    class Lying(torch.Tensor):
+        pass
+
+    with pytest.raises(ExecutionError) as caught:
+        inputs.snapshot(torch, [value.as_subclass(Lying)])
+    assert caught.value.kind == "correctness" and "Lying" in caught.value.message
 
 
 # ----------------------------------------------------------------------------- trusted state

@@ -104,12 +104,18 @@ def plan_inputs(torch: Any, args: tuple[Any, ...], factory: InputFactory | None)
 
 
 def snapshot(torch: Any, value: Any) -> Any:
-    """A copy of a call's output as it is now: tensors cloned as plain tensors, containers walked."""
+    """A copy of a call's output as it is now: plain tensors cloned, containers walked.
+
+    A tensor subclass is refused: its methods are the candidate's code, and a subclass can compute
+    its values lazily when touched (after the timed window) or lie to a comparison.
+    """
     if isinstance(value, torch.Tensor):
-        plain = value.detach()
-        if type(plain) is not torch.Tensor:
-            plain = plain.as_subclass(torch.Tensor)
-        return plain.clone()
+        if type(value) is not torch.Tensor:
+            raise ExecutionError(
+                "correctness",
+                f"the call returned a {type(value).__name__}, a tensor subclass: checked outputs must be plain tensors",
+            )
+        return value.detach().clone()
     if isinstance(value, (tuple, list)):
         items = [snapshot(torch, item) for item in value]
         return tuple(items) if isinstance(value, tuple) else items

@@ -93,7 +93,8 @@ class Runner:
 
     def flush(self) -> None:
         if self._flush_buffer is not None:
-            self._flush_buffer.sum()
+            with self.trusted.plain_torch():
+                self._flush_buffer.sum()
 
     def next_inputs(self) -> tuple[int, tuple[Any, ...]]:
         index = self.next_index
@@ -112,8 +113,9 @@ class Runner:
             self._sync()
 
     def sentinel(self) -> None:
-        self._mark.add_(1.0)
-        self._mark_copy.copy_(self._mark)
+        with self.trusted.plain_torch():
+            self._mark.add_(1.0)
+            self._mark_copy.copy_(self._mark)
 
     def clock_ns(self) -> int:
         return int(self._perf_counter() * 1e9)
@@ -250,7 +252,8 @@ def timed_calls(
                 if slot is not None:
                     brackets.push(base + GAP_ID_OFFSET + index)
                     try:
-                        kept = KeptOutput(index, input_index, snapshot(runner.torch, output), inputs)
+                        with runner.trusted.plain_torch():
+                            kept = KeptOutput(index, input_index, snapshot(runner.torch, output), inputs)
                     finally:
                         brackets.pop(base + GAP_ID_OFFSET + index, f"the snapshot of call {index}'s output")
                     reservoir.put(slot, kept)
@@ -378,6 +381,11 @@ class CuptiTimer:
         timings, record_errors = _timings(self._tracer, calls, base)
         tampering = list(calls.stack_changes)
         tampering.extend(f"CUPTI record processing failed: {error}" for error in record_errors[:3])
+        if timings.forged_activities:
+            tampering.append(
+                f"{timings.forged_activities} GPU activities carried the timer's own external ids without being "
+                "its work (the ids were read from the timer and reused to hide work)"
+            )
         tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, runner.flush_shape is not None))
         for kind in sorted(self.probe_kinds - timings.sentinels_seen):
             tampering.append(

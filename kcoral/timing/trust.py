@@ -25,6 +25,7 @@ Outside a worker (tests, scripts), ``benchmark`` arms on its first call.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import gc
 import importlib
 import secrets
@@ -214,6 +215,9 @@ class Trusted:
     gc_enable: Callable[[], None]
     gc_isenabled: Callable[[], bool]
     enumerate_threads: Callable[[], list[threading.Thread]]
+    # A context in which torch calls skip every torch-function mode and subclass override: the
+    # timer's own torch calls (flush, snapshots, sentinel) run no candidate code through a mode.
+    plain_torch: Callable[[], Any]
 
 
 @dataclass
@@ -253,6 +257,7 @@ def _capture_trusted() -> Trusted:
         gc_enable=gc.enable,
         gc_isenabled=gc.isenabled,
         enumerate_threads=threading.enumerate,
+        plain_torch=getattr(getattr(torch, "_C", None), "DisableTorchFunction", None) or contextlib.nullcontext,
     )
 
 

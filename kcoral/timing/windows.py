@@ -82,6 +82,7 @@ class WindowTimings:
     - ``other_thread_activities``: counted activities that the calling thread did not launch.
     - ``foreign``: activities of nobody's call and not the timer's own, ``(start, end, name)``.
     - ``holds_seen`` / ``gaps_seen``: calls whose hold, and whose gap work, CUPTI recorded.
+    - ``forged_activities``: work under the timer's own ids that is not the timer's (counted).
     """
 
     spans_ms: list[float]
@@ -98,6 +99,7 @@ class WindowTimings:
     holds_seen: int = 0
     gaps_seen: int = 0
     sentinels_seen: frozenset[str] = frozenset()
+    forged_activities: int = 0
 
     @property
     def foreign_ms(self) -> float:
@@ -136,19 +138,38 @@ def attribute(
     foreign: list[tuple[int, int, str]] = []
     other_threads = 0
     first_begin = begins[0] if begins else None
-    for activity in activities:
+    launches = api_ends or {}
+    forged = 0
+    for activity in sorted(activities, key=lambda a: a.start_ns):
         role = role_of(external_ids.get(activity.correlation_id), base)
-        if role is not None and role[0] == ROLE_HOLD:
-            hold_ends[role[1]] = max(hold_ends.get(role[1], 0), activity.end_ns)
-            continue
-        if role is not None and role[0] == ROLE_GAP:
-            gaps.add(role[1])
-            continue
-        if role is not None and role[0] == ROLE_SENTINEL:
-            sentinels.add(activity.kind)
-            continue
         position = bisect.bisect_right(begins, activity.start_ns) - 1
         inside = position >= 0 and activity.start_ns <= windows[position].end_ns
+        if role is not None and role[0] != ROLE_CALL:
+            # The timer's own ids, but are they the timer's own work? Its gap work and sentinel run
+            # outside every window, and its hold is one kernel launched before the call: anything
+            # else under those ids was launched by someone who read the ids (from the timer's
+            # frames, say) to hide work. It is counted, and the measurement fails.
+            launched = launches.get(activity.correlation_id)
+            genuine_hold = (
+                role[0] == ROLE_HOLD
+                and role[1] not in hold_ends
+                and (launched is None or role[1] >= len(windows) or launched <= windows[role[1]].call_ns)
+            )
+            if genuine_hold:
+                hold_ends[role[1]] = activity.end_ns
+                continue
+            if not inside and role[0] == ROLE_GAP:
+                gaps.add(role[1])
+                continue
+            if not inside and role[0] == ROLE_SENTINEL:
+                sentinels.add(activity.kind)
+                continue
+            forged += 1
+            if not inside:
+                foreign.append((activity.start_ns, activity.end_ns, activity.name or activity.kind))
+                continue
+            counted.setdefault(position, []).append(activity)
+            continue
         if role is not None and role[0] == ROLE_CALL and role[1] < len(windows):
             # Launched by the calling thread inside call i: it is call i's, even if clock skew put
             # its start a hair outside the window.
@@ -204,6 +225,7 @@ def attribute(
         other_thread_activities=other_threads,
         foreign=sorted(foreign),
         holds_seen=len(hold_ends),
+        forged_activities=forged,
         gaps_seen=len(gaps),
         sentinels_seen=frozenset(sentinels),
     )
