@@ -273,7 +273,7 @@ def test_processes_the_candidate_left_running_are_found_and_killed(tmp_path: Pat
 def test_a_trusted_workload_takes_one_candidate(tmp_path: Path) -> None:
     folder = write_workload(tmp_path / "double")
     done = subprocess.run(
-        [sys.executable, "-m", "kcoral.cli", "remote", "--remote", "tcp://127.0.0.1:1", "--", str(folder), "a.py", "b.py"],
+        [sys.executable, "-m", "kcoral.cli", "remote", "--remote", "tcp://127.0.0.1:1", "--", str(folder), "a", "b"],
         capture_output=True,
         text=True,
         timeout=120,

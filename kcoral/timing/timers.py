@@ -325,6 +325,15 @@ class CuptiTimer:
         calls = timed_calls(runner, 1, hold_cycles=0, tracer=self._tracer, base=base)
         timings, _ = _timings(self._tracer, calls, base)
         self.probe_kinds = timings.sentinels_seen
+        tampering = list(calls.stack_changes)
+        if "concurrent_kernel" not in timings.sentinels_seen:
+            # CUPTI worked when the timer was armed; now not even the timer's own kernel is recorded.
+            tampering.append(
+                "CUPTI recorded none of the timer's own work in the first traced call: "
+                "its activity callbacks or kinds were changed since the worker started"
+            )
+        if tampering:
+            raise ExecutionError("integrity", "; ".join(tampering))
         if timings.empty_calls:
             raise ExecutionError(
                 "unavailable",

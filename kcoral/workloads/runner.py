@@ -30,11 +30,11 @@ ROLES = ("baseline", "candidate")
 
 
 def _send_tensor(stream: BinaryIO, torch: Any, header: dict[str, Any], value: Any) -> None:
+    """Send one output; ExecutionError("correctness") when it is not a plain tensor."""
     try:
         meta, data = tensor_to_wire(torch, value)
     except TypeError as exc:
-        write_message(stream, {**header, "type": "error", "kind": "correctness", "message": str(exc)})
-        return
+        raise ExecutionError("correctness", str(exc)) from exc
     write_message(stream, {**header, **meta}, data)
 
 
@@ -71,7 +71,7 @@ def _run_role(stream: BinaryIO, torch: Any, workload: Workload, role: str, fn: A
         )
         return False
     write_message(stream, {"type": "timing", "role": role, "report": _plain(run.report)})
-    for kept in run.kept:
+    for kept in run.kept:  # snapshots: plain tensors already
         _send_tensor(
             stream,
             torch,
