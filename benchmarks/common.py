@@ -5,71 +5,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kcoral import Client, KCoralError, Program
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kcoral import Program
+from kcoral.testing import free_port as free_port
+from kcoral.testing import running_broker
 
 
 @contextlib.contextmanager
-def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start ``kcoral broker`` on a free loopback port; stop it (SIGTERM) afterwards."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    run_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
-    log_path = log_path or run_dir.with_suffix(".log")
-    argv = [
-        sys.executable,
-        "-m",
-        "kcoral.cli",
-        "--log-level",
-        "warning",
-        "broker",
-        "--listen",
-        url,
-        "--run-dir",
-        str(run_dir / "run"),
-        *flags,
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"broker exited: {log_path.read_text()}")
-            try:
-                with Client(url, connect_timeout_seconds=2) as client:
-                    health = client.health()
-                if health["workers"]["idle"] >= health["workers"]["slots"]:
-                    break
-            except KCoralError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"broker not ready: {log_path.read_text()}")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def broker(*flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``kcoral broker`` on a free loopback port, every slot ready; stop it (SIGTERM) afterwards."""
+    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
+    # A sandboxed broker on a loaded machine can take a minute and more to fork all its zygotes.
+    with running_broker(work_dir, *flags, log_level="warning", timeout_seconds=120) as service:
+        yield service.url, service.process
 
 
 def constant_program(value: object = 1) -> Program:
