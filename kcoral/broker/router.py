@@ -270,9 +270,9 @@ class Router:
             elif command == protocol.CANCEL:
                 self._on_cancel(client, request_id)
             elif command == protocol.HEALTH:
-                self._reply(client, {"request_id": request_id, "ok": True, "result": self.health()})
+                self._reply(client, protocol.final_body(request_id, self.health()))
             elif command == protocol.TARGET:
-                self._reply(client, {"request_id": request_id, "ok": True, "result": self.target()})
+                self._reply(client, protocol.final_body(request_id, self.target()))
             else:
                 self._refuse(client, request_id, "parse", f"unknown command {command.hex()}")
         except Exception as exc:

@@ -124,32 +124,14 @@ class Interpreter:
         try:
             checked = check_instructions(instructions)
         except InstructionFailure as failure:
-            op = ident = None
-            if failure.index is not None and isinstance(instructions, list):
-                bad = instructions[failure.index]
-                if isinstance(bad, dict):
-                    op, ident = bad.get("op"), bad.get("id")
-            return {
-                "kind": "parse",
-                "message": failure.message,
-                "instruction_index": failure.index,
-                "instruction_op": op if isinstance(op, str) else None,
-                "instruction_id": ident if isinstance(ident, str) else None,
-                "traceback": "",
-            }
+            bad = instructions[failure.index] if failure.index is not None and isinstance(instructions, list) else None
+            return protocol.instruction_error("parse", failure.message, failure.index, bad)
         for index, instruction in enumerate(checked):
             self.progress(index)
             try:
                 self._step(instruction)
             except InstructionFailure as failure:
-                return {
-                    "kind": failure.kind,
-                    "message": failure.message,
-                    "instruction_index": index,
-                    "instruction_op": instruction["op"],
-                    "instruction_id": instruction["id"],
-                    "traceback": failure.tb,
-                }
+                return protocol.instruction_error(failure.kind, failure.message, index, instruction, failure.tb)
         return None
 
     # --- instructions ---
@@ -183,7 +165,10 @@ class Interpreter:
         if kind == "module":
             source = ins.get("source")
             if source is None:
-                source = bytes(self._blob(ins["blob"])).decode("utf-8", errors="strict")
+                try:
+                    source = bytes(self._blob(ins["blob"])).decode("utf-8", errors="strict")
+                except UnicodeDecodeError as exc:
+                    raise InstructionFailure("parse", f"module source is not UTF-8: {exc}") from exc
             return self._load_module(ins["id"], source)
         if kind == "tensor":
             spec = ins.get("tensor")
@@ -210,8 +195,10 @@ class Interpreter:
         try:
             code = compile(source, str(path), "exec")
         except SyntaxError as exc:
+            # The source itself is malformed, like a bad instruction: parse, at this upload. A
+            # module that is valid Python but raises while it is imported fails as compile below.
             raise InstructionFailure(
-                "compile", f"SyntaxError: {exc.msg} (line {exc.lineno})", _user_traceback(exc)
+                "parse", f"{type(exc).__name__}: {exc.msg} (line {exc.lineno})", _user_traceback(exc)
             ) from exc
         module = types.ModuleType(name)
         module.__file__ = str(path)
