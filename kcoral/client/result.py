@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kcoral.client.program import check_relative_path
+from kcoral.protocol import check_relative_path
 
 
 @dataclass(frozen=True)

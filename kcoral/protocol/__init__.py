@@ -83,6 +83,8 @@ from kcoral.protocol.node_link import (
 )
 from kcoral.protocol.program import (
     ExecuteOptions,
+    check_regular_file,
+    check_relative_path,
     parse_execute,
     parse_options,
     program_digests,
@@ -205,6 +207,8 @@ __all__ = [
     "check_digest",
     "check_header",
     "check_id",
+    "check_regular_file",
+    "check_relative_path",
     "decode_value",
     "encode_value",
     "error_body",

@@ -1,11 +1,16 @@
-"""A program as the service receives it: the EXECUTE body, its run options and its blob digests.
+"""A program as the service receives it: the EXECUTE body, its run options, its blob digests, and
+the rule for the paths it names.
 
-The client checks options with the same code (``parse_options``) before it sends them.
+The client checks options and paths with the same code (``parse_options``, ``check_relative_path``)
+before it sends them, and the worker checks them again before it places or returns a file.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kcoral.protocol.codec import decode_value
@@ -106,3 +111,33 @@ def program_digests(program: dict[str, Any]) -> list[str]:
             if key in ins:
                 decode_value(ins[key], visit)
     return list(found)
+
+
+# --- paths ------------------------------------------------------------------------------------
+
+
+def check_relative_path(path: object, what: str = "path") -> str:
+    """A path relative to the execution's working directory, normalised: no absolute paths, no
+    ``..``, not the directory itself; WireError (a ValueError) says which rule it broke."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise WireError(f"{what} must be a non-empty string, got {path!r}")
+    posix = PurePosixPath(path)
+    if posix.is_absolute():
+        raise WireError(f"{what} {path!r} is absolute; give a path relative to the working directory")
+    parts = [p for p in posix.parts if p != "."]
+    if ".." in parts:
+        raise WireError(f"{what} {path!r} contains '..'")
+    if not parts:
+        raise WireError(f"{what} {path!r} names the working directory itself")
+    return "/".join(parts)
+
+
+def check_regular_file(path: Path) -> os.stat_result:
+    """The ``lstat`` of a file that may travel: a regular file, not a symlink (it could point
+    anywhere) nor a special file; WireError otherwise."""
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode):
+        raise WireError(f"{path} is not a regular file (symlinks and special files are refused)")
+    return st

@@ -9,7 +9,6 @@ asked of the broker through :class:`LeaseChannel`.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import mmap
 import os
 import stat
@@ -26,6 +25,7 @@ import zmq
 
 from kcoral import protocol
 from kcoral.errors import ExecutionError
+from kcoral.gpu_guard import GpuAccessGuard
 
 OPS = ("upload", "upload_file", "upload_folder", "get_function", "run", "return", "return_file", "return_folder")
 CUDA_POISON_MARKERS = (
@@ -147,7 +147,7 @@ class Interpreter:
             base = ins["path"]
             (self.workdir / base).mkdir(parents=True, exist_ok=True)
             for rel, digest, mode, *_ in ins["files"]:
-                self._place_file(f"{base}/{_relative(rel)}", self._blob(digest), int(mode))
+                self._place_file(f"{base}/{protocol.check_relative_path(rel)}", self._blob(digest), int(mode))
             self.values[ins["id"]] = base
         elif op == "get_function":
             self.values[ins["id"]] = self._get_function(ins)
@@ -263,9 +263,7 @@ class Interpreter:
             raise InstructionFailure("runtime", describe_exception(exc), _user_traceback(exc)) from exc
 
     def _call_cpu_only(self, fn: Callable[..., Any], args: list[Any], name: str) -> Any:
-        guard = _gpu_access_guard()
-        if guard is None:
-            return self._call(fn, args)
+        guard = GpuAccessGuard()
         with guard:
             try:
                 value = self._call(fn, args)
@@ -370,7 +368,7 @@ class Interpreter:
             raise InstructionFailure("parse", f"blob {digest[:12]}... was not delivered") from None
 
     def _inside_workdir(self, path: str) -> Path:
-        rel = _relative(path)
+        rel = protocol.check_relative_path(path)
         target = (self.workdir / rel).resolve()
         root = self.workdir.resolve()
         if target != root and root not in target.parents:
@@ -378,7 +376,7 @@ class Interpreter:
         return target
 
     def _place_file(self, path: str, data: memoryview, mode: int) -> None:
-        target = self.workdir / _relative(path)
+        target = self.workdir / protocol.check_relative_path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         parent = target.parent.resolve()
         root = self.workdir.resolve()
@@ -423,7 +421,7 @@ def _check_instruction(index: int, ins: Any, seen: set[str], keys: set[str]) -> 
                     raise InstructionFailure("parse", f"{where}: {name} {ref!r} names no earlier instruction")
         for name in ("path",):
             if name in ins or op in ("upload_file", "upload_folder", "return_file", "return_folder"):
-                _relative(ins.get(name))
+                protocol.check_relative_path(ins.get(name))
         if op in ("upload_file", "upload_folder", "upload") and "blob" in ins:
             protocol.check_digest(ins["blob"])
         if op == "upload_folder":
@@ -433,7 +431,7 @@ def _check_instruction(index: int, ins: Any, seen: set[str], keys: set[str]) -> 
             for entry in files:
                 if not isinstance(entry, list) or len(entry) < 3:
                     raise InstructionFailure("parse", f"{where}: bad folder entry")
-                _relative(entry[0])
+                protocol.check_relative_path(entry[0])
                 protocol.check_digest(entry[1])
         if op in ("return", "return_file", "return_folder"):
             key = ins.get("key")
@@ -464,15 +462,6 @@ def _references(tree: Any) -> list[str]:
     return found
 
 
-def _relative(path: Any) -> str:
-    from kcoral.client.program import check_relative_path
-
-    try:
-        return check_relative_path(path)
-    except ValueError as exc:
-        raise protocol.WireError(str(exc)) from exc
-
-
 def describe_exception(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -489,13 +478,3 @@ def _user_traceback(exc: BaseException) -> str:
 def _is_cuda_poison(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(marker in text for marker in CUDA_POISON_MARKERS)
-
-
-def _gpu_access_guard() -> Any:
-    """The guard that makes CUDA calls in cpu_only functions fail (None where builtins lacks it)."""
-    try:
-        builtins = importlib.import_module("kcoral.builtins")
-    except ImportError:
-        return None
-    guard_type = getattr(builtins, "GpuAccessGuard", None)
-    return guard_type() if guard_type is not None else None
