@@ -468,3 +468,23 @@ def test_final_error_body() -> None:
     command, body, frames = protocol.split_message(protocol.final_error("r-1", "busy", "the queue is full"))
     assert command == protocol.FINAL and frames == []
     assert body == {"request_id": "r-1", "ok": False, "error": {"kind": "busy", "message": "the queue is full"}}
+
+
+# --- instruction lists ---------------------------------------------------------------------------
+
+
+def test_check_instructions_names_the_first_bad_instruction() -> None:
+    good = {"op": "return", "id": "r", "key": "k", "value": 1}
+    assert protocol.check_instructions([good]) == [good]
+    cases: list[tuple[Any, int | None, str]] = [
+        ("not a list", None, "must be a list"),
+        ([good, {"op": "nope", "id": "x"}], 1, "unknown op"),
+        ([good, {**good, "id": "s"}], 1, "duplicate return key"),
+        ([{"op": "run", "id": "r", "fn": "f"}], 0, "names no earlier instruction"),
+        ([{"op": "return_file", "id": "r", "key": "k", "path": "../x"}], 0, "'..'"),
+        ([{"op": "return", "id": "r", "key": "k", "value": protocol.RefValue("later")}], 0, "reference"),
+    ]
+    for instructions, index, words in cases:
+        with pytest.raises(protocol.ProgramError, match=words) as caught:
+            protocol.check_instructions(instructions)
+        assert caught.value.index == index

@@ -1,5 +1,6 @@
-"""A program as the service receives it: the EXECUTE body, its run options, its blob digests, and
-the rule for the paths it names.
+"""A program as the service receives it: the EXECUTE body, its run options, its blob digests, the
+shape of its instruction list (checked by the worker before anything runs), and the rule for the
+paths it names.
 
 The client checks options and paths with the same code (``parse_options``, ``check_relative_path``)
 before it sends them, and the worker checks them again before it places or returns a file.
@@ -11,9 +12,9 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Final
 
-from kcoral.protocol.codec import decode_value
+from kcoral.protocol.codec import RefValue, decode_value
 from kcoral.protocol.frames import (
     DEFAULT_OUTPUT_LIMIT_BYTES,
     DEFAULT_TIMEOUT_SECONDS,
@@ -23,6 +24,7 @@ from kcoral.protocol.frames import (
     MAX_TIMEOUT_SECONDS,
     WireError,
     check_digest,
+    check_id,
 )
 from kcoral.protocol.tensors import TensorSpec
 
@@ -111,6 +113,91 @@ def program_digests(program: dict[str, Any]) -> list[str]:
             if key in ins:
                 decode_value(ins[key], visit)
     return list(found)
+
+
+# --- instructions -----------------------------------------------------------------------------
+
+OPS: Final = ("upload", "upload_file", "upload_folder", "get_function", "run", "return", "return_file", "return_folder")
+
+
+class ProgramError(WireError):
+    """Raised when a program's instruction list is malformed; ``index`` is the bad instruction's
+    (None when the list itself is bad). The worker reports it as a ``parse`` error there."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+def check_instructions(instructions: Any) -> list[dict[str, Any]]:
+    """Validate a program's instruction list before anything runs; ProgramError names the first
+    bad instruction."""
+    if not isinstance(instructions, list):
+        raise ProgramError("program.instructions must be a list")
+    if len(instructions) > MAX_INSTRUCTIONS:
+        raise ProgramError(f"more than {MAX_INSTRUCTIONS} instructions")
+    seen: set[str] = set()
+    keys: set[str] = set()
+    for index, ins in enumerate(instructions):
+        try:
+            _check_instruction(index, ins, seen, keys)
+        except WireError as exc:
+            raise ProgramError(str(exc), index) from exc
+    return instructions
+
+
+def _check_instruction(index: int, ins: Any, seen: set[str], keys: set[str]) -> None:
+    where = f"instruction {index}"
+    if not isinstance(ins, dict):
+        raise WireError(f"{where} is not a map")
+    op = ins.get("op")
+    if op not in OPS:
+        raise WireError(f"{where}: unknown op {op!r}")
+    ident = check_id(ins.get("id"), f"{where} id")
+    for name in ("module", "fn"):
+        if name in ins:
+            ref = check_id(ins[name], f"{where} {name}")
+            if ref not in seen:
+                raise WireError(f"{where}: {name} {ref!r} names no earlier instruction")
+    for name in ("path",):
+        if name in ins or op in ("upload_file", "upload_folder", "return_file", "return_folder"):
+            check_relative_path(ins.get(name))
+    if op in ("upload_file", "upload_folder", "upload") and "blob" in ins:
+        check_digest(ins["blob"])
+    if op == "upload_folder":
+        files = ins.get("files")
+        if not isinstance(files, list):
+            raise WireError(f"{where}: upload_folder without a files list")
+        for entry in files:
+            if not isinstance(entry, list) or len(entry) < 3:
+                raise WireError(f"{where}: bad folder entry")
+            check_relative_path(entry[0])
+            check_digest(entry[1])
+    if op in ("return", "return_file", "return_folder"):
+        key = ins.get("key")
+        if not isinstance(key, str) or not key or key in keys:
+            raise WireError(f"{where}: missing or duplicate return key {key!r}")
+        keys.add(key)
+    for ref in _references(ins.get("args", [])) + _references(ins.get("value")):
+        if ref not in seen:
+            raise WireError(f"{where}: reference {ref!r} names no earlier instruction")
+    if ident in seen:
+        raise WireError(f"{where}: duplicate id {ident!r}")
+    if op == "run" and not isinstance(ins.get("args", []), (list, tuple)):
+        raise WireError(f"{where}: run args must be a list")
+    seen.add(ident)
+
+
+def _references(tree: Any) -> list[str]:
+    found: list[str] = []
+
+    def convert(obj: Any) -> Any:
+        if isinstance(obj, RefValue):
+            found.append(obj.id)
+        return obj
+
+    decode_value(tree, convert)
+    return found
 
 
 # --- paths ------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from kcoral import protocol
 from kcoral.errors import ExecutionError
 from kcoral.gpu_guard import GpuAccessGuard
 
-OPS = ("upload", "upload_file", "upload_folder", "get_function", "run", "return", "return_file", "return_folder")
 CUDA_POISON_MARKERS = (
     "illegal memory access",
     "illegal address",
@@ -122,10 +121,10 @@ class Interpreter:
         program = self.request.get("program")
         instructions = program.get("instructions") if isinstance(program, dict) else None
         try:
-            checked = check_instructions(instructions)
-        except InstructionFailure as failure:
+            checked = protocol.check_instructions(instructions)
+        except protocol.ProgramError as failure:
             bad = instructions[failure.index] if failure.index is not None and isinstance(instructions, list) else None
-            return protocol.instruction_error("parse", failure.message, failure.index, bad)
+            return protocol.instruction_error("parse", str(failure), failure.index, bad)
         for index, instruction in enumerate(checked):
             self.progress(index)
             try:
@@ -386,80 +385,6 @@ class Interpreter:
             target.unlink()
         target.write_bytes(data)
         os.chmod(target, (mode & 0o755) | 0o600)
-
-
-def check_instructions(instructions: Any) -> list[dict[str, Any]]:
-    """Validate a program's structure before anything runs; InstructionFailure('parse') if bad."""
-    if not isinstance(instructions, list):
-        raise InstructionFailure("parse", "program.instructions must be a list")
-    if len(instructions) > protocol.MAX_INSTRUCTIONS:
-        raise InstructionFailure("parse", f"more than {protocol.MAX_INSTRUCTIONS} instructions")
-    seen: set[str] = set()
-    keys: set[str] = set()
-    for index, ins in enumerate(instructions):
-        try:
-            _check_instruction(index, ins, seen, keys)
-        except InstructionFailure as failure:
-            failure.index = index
-            raise
-    return instructions
-
-
-def _check_instruction(index: int, ins: Any, seen: set[str], keys: set[str]) -> None:
-    where = f"instruction {index}"
-    if not isinstance(ins, dict):
-        raise InstructionFailure("parse", f"{where} is not a map")
-    op = ins.get("op")
-    if op not in OPS:
-        raise InstructionFailure("parse", f"{where}: unknown op {op!r}")
-    try:
-        ident = protocol.check_id(ins.get("id"), f"{where} id")
-        for name in ("module", "fn"):
-            if name in ins:
-                ref = protocol.check_id(ins[name], f"{where} {name}")
-                if ref not in seen:
-                    raise InstructionFailure("parse", f"{where}: {name} {ref!r} names no earlier instruction")
-        for name in ("path",):
-            if name in ins or op in ("upload_file", "upload_folder", "return_file", "return_folder"):
-                protocol.check_relative_path(ins.get(name))
-        if op in ("upload_file", "upload_folder", "upload") and "blob" in ins:
-            protocol.check_digest(ins["blob"])
-        if op == "upload_folder":
-            files = ins.get("files")
-            if not isinstance(files, list):
-                raise InstructionFailure("parse", f"{where}: upload_folder without a files list")
-            for entry in files:
-                if not isinstance(entry, list) or len(entry) < 3:
-                    raise InstructionFailure("parse", f"{where}: bad folder entry")
-                protocol.check_relative_path(entry[0])
-                protocol.check_digest(entry[1])
-        if op in ("return", "return_file", "return_folder"):
-            key = ins.get("key")
-            if not isinstance(key, str) or not key or key in keys:
-                raise InstructionFailure("parse", f"{where}: missing or duplicate return key {key!r}")
-            keys.add(key)
-        for ref in _references(ins.get("args", [])) + _references(ins.get("value")):
-            if ref not in seen:
-                raise InstructionFailure("parse", f"{where}: reference {ref!r} names no earlier instruction")
-    except protocol.WireError as exc:
-        raise InstructionFailure("parse", str(exc)) from exc
-    if ident in seen:
-        raise InstructionFailure("parse", f"{where}: duplicate id {ident!r}")
-    if op == "run" and not isinstance(ins.get("args", []), (list, tuple)):
-        raise InstructionFailure("parse", f"{where}: run args must be a list")
-    seen.add(ident)
-
-
-def _references(tree: Any) -> list[str]:
-    found: list[str] = []
-
-    def convert(obj: Any) -> Any:
-        if isinstance(obj, protocol.RefValue):
-            found.append(obj.id)
-        return obj
-
-    protocol.decode_value(tree, convert)
-    return found
 
 
 def describe_exception(exc: BaseException) -> str:
