@@ -47,27 +47,27 @@ async def check_resolves(url: str) -> None:
 
 async def silence_reason(url: str, waited_seconds: float) -> str:
     """A one-line explanation of why ``url`` gave no answer within ``waited_seconds``."""
-    waited = f"{waited_seconds:g} s"
+    return f"no answer from {url} within {waited_seconds:g} s: {await _why_silent(url)}"
+
+
+async def _why_silent(url: str) -> str:
     if url.startswith("ipc://"):
         path = url.removeprefix("ipc://")
         if not os.path.exists(path):
-            return f"no socket at {path} ({url}); waited {waited}: is the broker running?"
-        return f"{url} exists but no KCoral service answered within {waited}"
+            return f"there is no socket file {path}; is the broker running?"
+        return "the socket file exists but no KCoral service answered on it"
     endpoint = tcp_host_port(url)
     if endpoint is None:
-        return f"no answer from {url} within {waited}"
+        return "nothing answered"
     host, port = endpoint
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), PROBE_TIMEOUT_SECONDS)
     except ConnectionRefusedError:
-        return f"nothing listens at {host}:{port} (connection refused, waited {waited}): is the service running?"
+        return f"connection refused (nothing listens at {host}:{port}); is the service running?"
     except (OSError, TimeoutError) as exc:
-        return f"cannot connect to {host}:{port} within {waited} ({url}): {_reason(exc)}"
+        return f"cannot connect to {host}:{port}: {_reason(exc)}"
     writer.close()
-    return (
-        f"{host}:{port} accepts connections but no KCoral service answered within {waited} "
-        f"({url}): is it a KCoral broker or router, and not overloaded?"
-    )
+    return f"{host}:{port} accepts connections but no KCoral service answered (not one, or overloaded)"
 
 
 def _reason(exc: BaseException) -> str:
