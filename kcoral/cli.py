@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kcoral", description="KCoral: a GPU evaluation service.")
     parser.add_argument("--version", action="version", version=f"kcoral {__version__}")
     _add_logging_flags(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub: argparse._SubParsersAction[argparse.ArgumentParser]
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)  # type: ignore[assignment]
 
     broker = sub.add_parser(
         "broker", help="serve programs on this host's GPUs (or CPUs)", formatter_class=_HelpFormatter
@@ -392,14 +393,14 @@ def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
+    import zmq
+
     from kcoral.broker.broker import (
         NEGOTIATION_TIMEOUT_SECONDS,
         BrokerSettings,
         install_event_loop_policy,
         run_broker,
     )
-    import zmq
-
     from kcoral.broker.target import TargetError
     from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
 

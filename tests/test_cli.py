@@ -21,7 +21,9 @@ from tests.conftest import free_port
 CLI_TIMEOUT_S = 60
 
 
-def kcoral(*argv: str, env: dict[str, str] | None = None, module: str = "kcoral.cli") -> subprocess.CompletedProcess[str]:
+def kcoral(
+    *argv: str, env: dict[str, str] | None = None, module: str = "kcoral.cli"
+) -> subprocess.CompletedProcess[str]:
     full_env = dict(os.environ, PYTHONPATH=os.getcwd(), **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=full_env
@@ -148,6 +150,6 @@ def test_the_connect_timeout_is_waited_in_full_and_says_connection_refused() -> 
 
 def test_an_unresolvable_host_name_is_told_apart_at_once() -> None:
     started = time.monotonic()
-    with pytest.raises(TransportError, match="cannot resolve the host name 'no-such-host.invalid'"):
+    with pytest.raises(TransportError, match=r"cannot resolve the host name 'no-such-host\.invalid'"):
         Client("tcp://no-such-host.invalid:5555", connect_timeout_seconds=20).open()
     assert time.monotonic() - started < 10  # a resolver answers at once; not the 20 s timeout
