@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kcoral import Program, protocol
+from kcoral import Client, Program, protocol
 from kcoral.testing import RunningService, start_router
 from tests.conftest import start_broker
 
@@ -57,8 +57,9 @@ def test_program_result_is_failed_exactly_when_it_has_an_error() -> None:
 
 def test_the_broker_fills_in_what_only_it_knows() -> None:
     worker_result = {**protocol.program_result("r1", results={"v": 1}), protocol.WORKER_KEY: {"pid": 1}}
-    returned = protocol.with_broker_fields(worker_result, request_id="r1", queue_ms=2.5, gpu_ids=[1])
-    assert returned["queue_ms"] == 2.5 and returned["gpu_ids"] == [1] and returned[protocol.WORKER_KEY] == {"pid": 1}
+    returned = protocol.with_broker_fields(worker_result, request_id="r1", queue_ms=2.5, gpu_ids=[1], node_id="n")
+    assert returned["queue_ms"] == 2.5 and returned["gpu_ids"] == [1] and returned["node_id"] == "n"
+    assert returned[protocol.WORKER_KEY] == {"pid": 1}
     assert worker_result["queue_ms"] == 0.0  # the worker's map is left as it was
 
 
@@ -158,7 +159,8 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         router = start_router(root)
         started.append(router)
         assert router.nodes_url is not None
-        started.append(start_broker(root, "--fake-gpus", "1", "--workers-per-gpu", "2", "--upstream", router.nodes_url))
+        node = ("--upstream", router.nodes_url, "--node-id", "node-a")
+        started.append(start_broker(root, "--fake-gpus", "1", "--workers-per-gpu", "2", *node))
         _wait(lambda: [n["state"] for n in router.nodes().values()] == ["live"], "the node to register")
         yield {"broker": started[0].url, "router": router.url}
     finally:
@@ -231,6 +233,21 @@ def test_a_module_with_a_syntax_error_fails_as_parse_at_its_upload(
 def test_a_failure_found_before_running_names_the_instruction(finals: dict[str, dict[str, dict[str, Any]]]) -> None:
     error = finals["broker"]["checked_before_running"]["result"]["error"]
     assert (error["instruction_index"], error["instruction_op"], error["instruction_id"]) == (0, "no_such_op", "x")
+
+
+def test_a_result_through_a_router_names_its_node(finals: dict[str, dict[str, dict[str, Any]]]) -> None:
+    for name in ("completed", "instruction_failed", "worker_died"):
+        assert finals["router"][name]["result"]["node_id"] == "node-a", name
+        assert finals["broker"][name]["result"]["node_id"] is None, name
+
+
+def test_program_result_names_the_node(services: dict[str, str]) -> None:
+    program = Program()
+    program.return_(key="v", value=1)
+    with Client(services["router"]) as client:
+        assert client.execute(program).node_id == "node-a"
+    with Client(services["broker"]) as client:
+        assert client.execute(program).node_id is None
 
 
 def test_a_worker_that_dies_is_reported_at_its_instruction(finals: dict[str, dict[str, dict[str, Any]]]) -> None:

@@ -497,7 +497,9 @@ class Broker(ProgramIntake):
             self._dispatch()
             return
         queue_ms = (request.started_at - request.queued_at) * 1000
-        result = protocol.with_broker_fields(body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids)
+        result = protocol.with_broker_fields(
+            body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
+        )
         self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
 
@@ -537,9 +539,14 @@ class Broker(ProgramIntake):
             queue_ms=(request.started_at - request.queued_at) * 1000,
             elapsed_ms=(time.monotonic() - request.started_at) * 1000,
             gpu_ids=request.gpu_ids,
+            node_id=self._node_id(),
         )
         self._finish(request, protocol.final_body(request.id, result), [])
         self._dispatch()
+
+    def _node_id(self) -> str | None:
+        """This broker's node id in results, where it serves a router."""
+        return self.upstream.node_id if self.upstream is not None else None
 
     # --- replies ---
 

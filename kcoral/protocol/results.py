@@ -40,6 +40,7 @@ RESULT_KEYS: Final = (
     "lease_wait_ms",
     "lease_held_ms",
     "gpu_ids",
+    "node_id",
 )
 # Beside RESULT_KEYS: "worker" (diagnostics of the worker that answered; absent when it died).
 WORKER_KEY: Final = "worker"
@@ -96,6 +97,7 @@ def program_result(
     lease_wait_ms: float = 0.0,
     lease_held_ms: float = 0.0,
     gpu_ids: Sequence[int] = (),
+    node_id: str | None = None,
 ) -> dict[str, Any]:
     """A program's result: FAILED when there is an ``error`` (results returned before it are kept)."""
     return {
@@ -112,14 +114,16 @@ def program_result(
         "lease_wait_ms": lease_wait_ms,
         "lease_held_ms": lease_held_ms,
         "gpu_ids": list(gpu_ids),
+        "node_id": node_id,
     }
 
 
 def with_broker_fields(
-    result: Mapping[str, Any], *, request_id: str, queue_ms: float, gpu_ids: Sequence[int]
+    result: Mapping[str, Any], *, request_id: str, queue_ms: float, gpu_ids: Sequence[int], node_id: str | None
 ) -> dict[str, Any]:
-    """A worker's result as the broker returns it: what only the broker knows filled in."""
-    return {**result, "request_id": request_id, "queue_ms": queue_ms, "gpu_ids": list(gpu_ids)}
+    """A worker's result as the broker returns it: what only the broker knows filled in. ``node_id``
+    is the broker's own where it serves a router (``--upstream``), else None."""
+    return {**result, "request_id": request_id, "queue_ms": queue_ms, "gpu_ids": list(gpu_ids), "node_id": node_id}
 
 
 def error_body(kind: str, message: str) -> dict[str, Any]:
