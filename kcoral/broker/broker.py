@@ -137,7 +137,8 @@ class Broker(ProgramIntake):
             placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
         else:
             placement = [None] * self.settings.workers
-        fake = self.target.fake
+        # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
+        gpu_nodes = launcher.gpu_binds(self.target)
         for slot, gpu in enumerate(placement):
             workspace = self.run_dir / "slots" / str(slot)
             argv = zygote_command(
@@ -149,8 +150,7 @@ class Broker(ProgramIntake):
                 limits=self.settings.limits,
                 preload=self.settings.preload,
             )
-            # A fake GPU has no device node to bind.
-            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu=None if fake else gpu)
+            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
             slots.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
         return slots
 
@@ -332,7 +332,8 @@ class Broker(ProgramIntake):
         if request.gpu_count:
             load = self._gpu_load()
             preferred = worker.gpu if worker.gpu in load else None
-            request.gpu_ids = choose_gpus(load, request.gpu_count, preferred)
+            # Sorted: CUDA numbers a program's GPUs in PCI (= index) order, so cuda:i is gpu_ids[i].
+            request.gpu_ids = tuple(sorted(choose_gpus(load, request.gpu_count, preferred)))
         request.state = "running"
         request.started_at = time.monotonic()
         request.worker = worker
