@@ -379,9 +379,21 @@ def test_environment_is_cleared_but_keeps_path_lang_pythonpath(slots: Slots, run
     assert inside["PATH"] == os.environ["PATH"]
     for name, value in SANDBOX_ENV.items():
         assert inside[name] == value
-    env = sandbox_environment(slots.spec(), {"PYTHONPATH": "/src", "SECRET": "x"})
+    env = sandbox_environment(
+        slots.spec(),
+        {
+            "PYTHONPATH": "/src",
+            "SECRET": "x",
+            "NCCL_NVLS_ENABLE": "0",
+            "CUDA_VISIBLE_DEVICES": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        },
+    )
     assert env["PYTHONPATH"] == "/src"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"  # the operator's NCCL settings
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "SECRET" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in env  # the worker sets it per program
     assert env["PATH"] == sandbox.DEFAULT_PATH
 
 
@@ -393,8 +405,11 @@ def test_the_served_gpu_nodes_are_bound_with_the_capabilities_to_confine(
     monkeypatch.setattr(os.path, "exists", lambda p: str(p) in present or real_exists(p))
 
     # Minors need not be indices: GPU 0 is /dev/nvidia3 here; /dev/nvidia7 does not exist.
-    nodes = (GpuBind(Path("/dev/nvidia3"), Path("/dev/nvidia3")), GpuBind(Path("/dev/nvidia7"), Path("/dev/nvidia7")),
-             GpuBind(Path("/dev/nvidia1"), Path("/dev/nvidia1")))
+    nodes = (
+        GpuBind(Path("/dev/nvidia3"), Path("/dev/nvidia3")),
+        GpuBind(Path("/dev/nvidia7"), Path("/dev/nvidia7")),
+        GpuBind(Path("/dev/nvidia1"), Path("/dev/nvidia1")),
+    )
     argv = sandbox_argv(slots.spec(gpu_nodes=nodes), BWRAP)
     dev_binds = [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == "--dev-bind"]
     control = [(node, node) for node in sandbox.NVIDIA_CONTROL_NODES]

@@ -88,6 +88,9 @@ SANDBOX_ENV: Final[Mapping[str, str]] = {
 # Variables taken from the caller's environment when present. KCORAL_EAGER_CUDA is the zygote's
 # own switch (see kcoral.worker.zygote), set by the operator on the broker's environment.
 INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH", "KCORAL_EAGER_CUDA")
+# The operator's settings of the collective libraries, such as NCCL_NVLS_ENABLE=0 where NVLink
+# multicast must stay off: programs that use several GPUs get them as the broker has them.
+INHERITED_ENV_PREFIXES: Final = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")
 DEFAULT_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 
 # Directories of the runtime bound read-only when they exist. Top-level symlinks among them
@@ -208,12 +211,14 @@ def check_bwrap(bwrap: Path | None = None) -> Path:
 
 
 def sandbox_environment(spec: SandboxSpec, environ: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s :data:`INHERITED_ENV`.
+    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s :data:`INHERITED_ENV` and
+    the variables named with :data:`INHERITED_ENV_PREFIXES`.
 
     PATH falls back to :data:`DEFAULT_PATH` when ``environ`` has none.
     """
     del spec  # one environment fits every spec today; the argument keeps callers stable
     env = {name: environ[name] for name in INHERITED_ENV if environ.get(name)}
+    env.update({name: value for name, value in environ.items() if name.startswith(INHERITED_ENV_PREFIXES)})
     env.setdefault("PATH", DEFAULT_PATH)
     env.update(SANDBOX_ENV)
     return env

@@ -38,6 +38,7 @@ import ctypes
 import os
 import re
 import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ __all__ = [
     "configure",
     "confine",
     "confined_to",
+    "confinement_ms",
     "dev_entries_kept",
     "visible_devices",
 ]
@@ -78,6 +80,7 @@ MASK_TMPFS_OPTIONS: Final = "mode=0500,size=4k,nr_inodes=4"
 # and the GPUs it is confined to once it is.
 _nodes: dict[int, str] | None = None
 _confined: tuple[int, ...] | None = None
+_took_ms: float | None = None  # how long the confinement took (the result's worker map reports it)
 
 
 class ConfinementError(RuntimeError):
@@ -105,6 +108,11 @@ def configure(nodes: Mapping[int, str] | None) -> None:
 def confined_to() -> tuple[int, ...] | None:
     """The GPUs this process is confined to, or None when it is not (yet, or at all)."""
     return _confined
+
+
+def confinement_ms() -> float | None:
+    """How long :func:`confine` took in this process, or None when it did not confine it."""
+    return _took_ms
 
 
 def visible_devices(gpu_ids: Iterable[int]) -> str:
@@ -142,8 +150,9 @@ def confine(gpu_ids: Iterable[int]) -> str | None:
     Returns None when the program may run: confined now, confined to these GPUs already, or not
     sandboxed at all. Returns the reason otherwise (the worker is then unusable and retires).
     """
-    global _confined
+    global _confined, _took_ms
     wanted = tuple(sorted(gpu_ids))
+    start = time.perf_counter()
     if _nodes is None:
         return None
     if _confined is not None:
@@ -167,6 +176,7 @@ def confine(gpu_ids: Iterable[int]) -> str | None:
     except (OSError, ConfinementError) as exc:
         return f"the worker could not drop its capabilities: {exc}"
     _confined = wanted
+    _took_ms = (time.perf_counter() - start) * 1000
     return None
 
 
@@ -219,8 +229,13 @@ def _mask_other_processes() -> None:
             tids = []
         for target in dict.fromkeys([pid, *tids]):
             try:
-                _mount("tmpfs", str(PROC / str(target)), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                       MASK_TMPFS_OPTIONS)
+                _mount(
+                    "tmpfs",
+                    str(PROC / str(target)),
+                    "tmpfs",
+                    MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                    MASK_TMPFS_OPTIONS,
+                )
             except FileNotFoundError:
                 pass  # it ended meanwhile
 

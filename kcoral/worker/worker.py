@@ -209,6 +209,7 @@ def run_worker(settings: WorkerSettings) -> int:
                 "started_at": started_at,
                 "ready_at": ready_at,
                 "finished_at": time.time(),
+                "confinement_ms": confinement.confinement_ms(),  # None: not sandboxed with GPUs
                 **outcome.notes,
             }
             socket.send_multipart(protocol.message(protocol.RESULT, outcome.body, *outcome.frames), copy=False)
