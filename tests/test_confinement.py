@@ -157,3 +157,26 @@ def test_capabilities_left_reads_the_status_text() -> None:
         "CapEff": "0000000000200000",
         "CapBnd": "0000000000200100",
     }
+
+
+def test_a_reused_worker_serves_only_its_gpu_set_and_is_retired_for_another(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    try:
+        check_bwrap()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"bwrap cannot run here: {exc}")
+    broker = start_broker(tmp_path, "--sandbox", "bubblewrap", "--fake-gpus", "2", "--max-programs-per-worker", "0")
+    try:
+        ones = [r for _ in range(2) for r in asyncio.run(run_all(broker.url, [1, 1]))]
+        pair = asyncio.run(run_all(broker.url, [2]))
+        after = asyncio.run(run_all(broker.url, [1]))
+    finally:
+        broker.stop()
+    for result in [*ones, *pair, *after]:
+        assert result.completed, result.error
+        assert result.results["seen"]["nodes"] == [f"/dev/nvidia{g}" for g in result.gpu_ids]
+    # Reused: the same worker ran its slot's one-GPU programs, on the same GPU each time.
+    by_worker: dict[str, set[int]] = {}
+    for result in ones:
+        by_worker.setdefault(result.worker["identity"], set()).update(result.gpu_ids)
+    assert len(by_worker) <= 2 and all(len(gpus) == 1 for gpus in by_worker.values())
+    assert pair[0].gpu_ids == [0, 1] and pair[0].worker["identity"] not in by_worker

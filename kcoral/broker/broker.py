@@ -300,8 +300,20 @@ class Broker(ProgramIntake):
             request = self.queue.pop()
             if request is None:
                 return
-            worker = self._pick_worker()
+            worker = self._pick_worker(request.gpu_count)
+            if worker is None:
+                # Every idle worker is a reused one confined to a different number of GPUs (see
+                # kcoral.worker.confinement): retire one; its slot's fresh worker takes the program.
+                self._retire_idle_worker()
+                self.queue.push_front(request)
+                return
             self._start(request, worker)
+
+    def _retire_idle_worker(self) -> None:
+        identity, worker = self.idle.popitem()
+        self.workers.pop(identity, None)
+        log.info("worker_retired", worker=identity.decode(), reason="confined to other GPUs")
+        self.supervisor.kill_worker(worker.slot)
 
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program."""
@@ -312,14 +324,16 @@ class Broker(ProgramIntake):
                     load[gpu] += 1
         return load
 
-    def _pick_worker(self) -> Worker:
+    def _pick_worker(self, gpu_count: int) -> Worker | None:
+        """The least busy idle worker that can run a program on ``gpu_count`` GPUs, if any."""
         load = self._gpu_load()
 
         def busyness(identity: bytes) -> tuple[int, int]:
             worker = self.idle[identity]
             return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
 
-        return self.idle.pop(min(self.idle, key=busyness))
+        fits = [i for i, w in self.idle.items() if w.gpu_view is None or len(w.gpu_view) == gpu_count]
+        return self.idle.pop(min(fits, key=busyness)) if fits else None
 
     def _start(self, request: Request, worker: Worker) -> None:
         try:
@@ -330,7 +344,9 @@ class Broker(ProgramIntake):
             self.idle[worker.identity] = worker
             self._negotiate(request, progressed=True)
             return
-        if request.gpu_count:
+        if request.gpu_count and worker.gpu_view is not None:
+            request.gpu_ids = worker.gpu_view  # a reused worker sees these GPUs and no others
+        elif request.gpu_count:
             load = self._gpu_load()
             preferred = worker.gpu if worker.gpu in load else None
             # Sorted: CUDA numbers a program's GPUs in PCI (= index) order, so cuda:i is gpu_ids[i].
@@ -482,6 +498,9 @@ class Broker(ProgramIntake):
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
         if info.get("reusable") and worker.identity in self.workers:
+            view = info.get("gpu_view")
+            if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
+                worker.gpu_view = tuple(sorted(view))
             self.idle[worker.identity] = worker
         elif info.get("retire_reason"):
             log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))

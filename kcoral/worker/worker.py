@@ -210,6 +210,8 @@ def run_worker(settings: WorkerSettings) -> int:
                 "ready_at": ready_at,
                 "finished_at": time.time(),
                 "confinement_ms": confinement.confinement_ms(),  # None: not sandboxed with GPUs
+                # The only GPUs this worker can serve again (None: any), see kcoral.worker.confinement.
+                "gpu_view": _listed(confinement.confined_to()),
                 **outcome.notes,
             }
             socket.send_multipart(protocol.message(protocol.RESULT, outcome.body, *outcome.frames), copy=False)
@@ -219,6 +221,10 @@ def run_worker(settings: WorkerSettings) -> int:
     finally:
         socket.close()
         context.term()
+
+
+def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
+    return None if gpus is None else list(gpus)
 
 
 def _create_cuda_context() -> None:
