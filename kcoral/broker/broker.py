@@ -124,6 +124,7 @@ class Broker(ProgramIntake):
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self.upstream: UpstreamLink | None = None
+        self.ready_announced = False
 
     # --- setup ---
 
@@ -137,7 +138,8 @@ class Broker(ProgramIntake):
             placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
         else:
             placement = [None] * self.settings.workers
-        fake = self.target.fake
+        # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
+        gpu_nodes = launcher.gpu_binds(self.target)
         for slot, gpu in enumerate(placement):
             workspace = self.run_dir / "slots" / str(slot)
             argv = zygote_command(
@@ -149,8 +151,7 @@ class Broker(ProgramIntake):
                 limits=self.settings.limits,
                 preload=self.settings.preload,
             )
-            # A fake GPU has no device node to bind.
-            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu=None if fake else gpu)
+            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
             slots.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
         return slots
 
@@ -299,8 +300,20 @@ class Broker(ProgramIntake):
             request = self.queue.pop()
             if request is None:
                 return
-            worker = self._pick_worker()
+            worker = self._pick_worker(request.gpu_count)
+            if worker is None:
+                # Every idle worker is a reused one confined to a different number of GPUs (see
+                # kcoral.worker.confinement): retire one; its slot's fresh worker takes the program.
+                self._retire_idle_worker()
+                self.queue.push_front(request)
+                return
             self._start(request, worker)
+
+    def _retire_idle_worker(self) -> None:
+        identity, worker = self.idle.popitem()
+        self.workers.pop(identity, None)
+        log.info("worker_retired", worker=identity.decode(), reason="confined to other GPUs")
+        self.supervisor.kill_worker(worker.slot)
 
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program."""
@@ -311,14 +324,16 @@ class Broker(ProgramIntake):
                     load[gpu] += 1
         return load
 
-    def _pick_worker(self) -> Worker:
+    def _pick_worker(self, gpu_count: int) -> Worker | None:
+        """The least busy idle worker that can run a program on ``gpu_count`` GPUs, if any."""
         load = self._gpu_load()
 
         def busyness(identity: bytes) -> tuple[int, int]:
             worker = self.idle[identity]
             return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
 
-        return self.idle.pop(min(self.idle, key=busyness))
+        fits = [i for i, w in self.idle.items() if w.gpu_view is None or len(w.gpu_view) == gpu_count]
+        return self.idle.pop(min(fits, key=busyness)) if fits else None
 
     def _start(self, request: Request, worker: Worker) -> None:
         try:
@@ -329,10 +344,13 @@ class Broker(ProgramIntake):
             self.idle[worker.identity] = worker
             self._negotiate(request, progressed=True)
             return
-        if request.gpu_count:
+        if request.gpu_count and worker.gpu_view is not None:
+            request.gpu_ids = worker.gpu_view  # a reused worker sees these GPUs and no others
+        elif request.gpu_count:
             load = self._gpu_load()
             preferred = worker.gpu if worker.gpu in load else None
-            request.gpu_ids = choose_gpus(load, request.gpu_count, preferred)
+            # Sorted: CUDA numbers a program's GPUs in PCI (= index) order, so cuda:i is gpu_ids[i].
+            request.gpu_ids = tuple(sorted(choose_gpus(load, request.gpu_count, preferred)))
         request.state = "running"
         request.started_at = time.monotonic()
         request.worker = worker
@@ -444,6 +462,10 @@ class Broker(ProgramIntake):
         self.workers[identity] = worker
         self.idle[identity] = worker
         log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        if not self.ready_announced and len(self.idle) >= len(self.supervisor.slots):
+            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
+            self.ready_announced = True
+            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.idle), gpus=list(self.gpu_ids))
         self._dispatch()
 
     def _on_worker_forked(self, slot: int, worker: str) -> None:
@@ -476,6 +498,9 @@ class Broker(ProgramIntake):
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
         if info.get("reusable") and worker.identity in self.workers:
+            view = info.get("gpu_view")
+            if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
+                worker.gpu_view = tuple(sorted(view))
             self.idle[worker.identity] = worker
         elif info.get("retire_reason"):
             log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
@@ -491,11 +516,11 @@ class Broker(ProgramIntake):
             )
             self._dispatch()
             return
-        result = dict(body)
-        result["request_id"] = request.id
-        result["queue_ms"] = (request.started_at - request.queued_at) * 1000
-        result["gpu_ids"] = list(request.gpu_ids)
-        self._finish(request, {"request_id": request.id, "ok": True, "result": result}, data)
+        queue_ms = (request.started_at - request.queued_at) * 1000
+        result = protocol.with_broker_fields(
+            body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
+        )
+        self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
 
     def _on_worker_exit(self, exit: WorkerExit) -> None:
@@ -525,30 +550,23 @@ class Broker(ProgramIntake):
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
         log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
-        result = {
-            "request_id": request.id,
-            "status": "FAILED",
-            "results": {},
-            "error": {
-                "kind": "runtime",
-                "message": f"worker exited while executing the instruction ({exit.describe()})",
-                "instruction_index": index,
-                "instruction_op": ins.get("op"),
-                "instruction_id": ins.get("id"),
-                "traceback": "",
-            },
-            "stdout": "",
-            "stderr": "",
-            "stdout_truncated": False,
-            "stderr_truncated": False,
-            "queue_ms": (request.started_at - request.queued_at) * 1000,
-            "elapsed_ms": (time.monotonic() - request.started_at) * 1000,
-            "lease_wait_ms": 0.0,
-            "lease_held_ms": 0.0,
-            "gpu_ids": list(request.gpu_ids),
-        }
-        self._finish(request, {"request_id": request.id, "ok": True, "result": result}, [])
+        error = protocol.instruction_error(
+            "runtime", f"worker exited while executing the instruction ({exit.describe()})", index, ins
+        )
+        result = protocol.program_result(
+            request.id,
+            error=error,
+            queue_ms=(request.started_at - request.queued_at) * 1000,
+            elapsed_ms=(time.monotonic() - request.started_at) * 1000,
+            gpu_ids=request.gpu_ids,
+            node_id=self._node_id(),
+        )
+        self._finish(request, protocol.final_body(request.id, result), [])
         self._dispatch()
+
+    def _node_id(self) -> str | None:
+        """This broker's node id in results, where it serves a router."""
+        return self.upstream.node_id if self.upstream is not None else None
 
     # --- replies ---
 
@@ -582,7 +600,7 @@ class Broker(ProgramIntake):
     def _finish_error(self, request: Request, kind: str, message: str) -> None:
         worker = request.worker
         running = request.state == "running" and worker is not None
-        self._finish(request, {"request_id": request.id, "ok": False, "error": protocol.error_body(kind, message)}, [])
+        self._finish(request, protocol.final_error_body(request.id, kind, message), [])
         if running and worker is not None:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
@@ -591,13 +609,11 @@ class Broker(ProgramIntake):
         self._dispatch()
 
     def _reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
-        self._send_client(client, protocol.FINAL, {"request_id": request_id, "ok": True, "result": result})
+        self._send_client(client, protocol.FINAL, protocol.final_body(request_id, result))
 
     def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
         log.info("request_refused", request_id=request_id, kind=kind, reason=message)
-        self._send_client(
-            client, protocol.FINAL, {"request_id": request_id, "ok": False, "error": protocol.error_body(kind, message)}
-        )
+        self._send_client(client, protocol.FINAL, protocol.final_error_body(request_id, kind, message))
 
     def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         try:

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from kcoral import protocol
-from kcoral.client.program import Program, check_relative_path
+from kcoral.client.program import Program
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError
+from kcoral.protocol import check_relative_path
 from kcoral.tools import service_side
 
 EXIT_OK = 0
@@ -287,7 +288,8 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
         _say(options.tool, f"{exc} (service {options.url})")
         return (EXIT_TIMED_OUT if exc.kind == "timeout" else EXIT_UNAVAILABLE), None
     except KeyboardInterrupt:
-        _say(options.tool, "interrupted")
+        # Leaving the `with` block closed the client, which sent CANCEL for the program in flight.
+        _say(options.tool, "interrupted; the program was cancelled on the service")
         return EXIT_INTERRUPTED, None
     show_output(options.tool, result)
     if not result.completed:

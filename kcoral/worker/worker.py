@@ -23,7 +23,7 @@ import zmq
 
 from kcoral import protocol
 from kcoral.timing.trust import arm_in_worker as arm_timer
-from kcoral.worker import processes
+from kcoral.worker import confinement, processes
 from kcoral.worker.capture import OutputCapture
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
@@ -52,18 +52,6 @@ class ExecutionOutcome:
 
 
 # --- one execution ------------------------------------------------------------------------------
-
-
-def _program_error(kind: str, message: str) -> dict[str, Any]:
-    """The error of a program that failed before any of its instructions ran."""
-    return {
-        "kind": kind,
-        "message": message,
-        "instruction_index": None,
-        "instruction_op": None,
-        "instruction_id": None,
-        "traceback": "",
-    }
 
 
 def execute_program(
@@ -99,6 +87,8 @@ def execute_program(
     threads_before = set(threading.enumerate())
     start = time.monotonic()
     try:
+        # First of all: in a sandbox, keep only this program's GPUs and drop every capability.
+        refusal = confinement.confine(gpu_ids)
         for sub in ("work", "home", "tmp"):
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
         os.environ.update(
@@ -108,36 +98,36 @@ def execute_program(
         )
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            os.environ["CUDA_VISIBLE_DEVICES"] = confinement.visible_devices(gpu_ids)
         os.chdir(run_dir / "work")
         sys.path.insert(0, str(run_dir / "work"))
-        refusal = cuda_view_mismatch(gpu_ids)
+        if refusal is None and confinement.confined_to() is None:
+            refusal = cuda_view_mismatch(gpu_ids)
         if gpu_ids and refusal is None:
             # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
             # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
             arm_timer()
         with capture:
-            error = interpreter.execute() if refusal is None else _program_error("unavailable", refusal)
+            error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
         leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
         output = capture.read()
         elapsed_ms = (time.monotonic() - start) * 1000
         leftover = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]
         retire = bool(interpreter.retire_reason)
-        body: dict[str, Any] = {
-            "request_id": request_id,
-            "status": "FAILED" if error else "COMPLETED",
-            "results": interpreter.results,
-            "error": error,
-            "stdout": output.stdout,
-            "stderr": output.stderr,
-            "stdout_truncated": output.stdout_truncated,
-            "stderr_truncated": output.stderr_truncated,
-            "elapsed_ms": elapsed_ms,
-            "lease_wait_ms": interpreter.lease.times.wait_ms,
-            "lease_held_ms": interpreter.lease.times.held_ms,
-            "gpu_ids": gpu_ids,
-        }
+        body = protocol.program_result(
+            request_id,
+            error=error,
+            results=interpreter.results,
+            stdout=output.stdout,
+            stderr=output.stderr,
+            stdout_truncated=output.stdout_truncated,
+            stderr_truncated=output.stderr_truncated,
+            elapsed_ms=elapsed_ms,
+            lease_wait_ms=interpreter.lease.times.wait_ms,
+            lease_held_ms=interpreter.lease.times.held_ms,
+            gpu_ids=gpu_ids,
+        )
         reason = refusal or interpreter.retire_reason
         retire = retire or refusal is not None
         # A program that returns but leaves work running is reported in the result's "worker" map
@@ -156,8 +146,6 @@ def execute_program(
             hint = processes.explain_limit_error(str(error.get("message")), processes.current_limits())
             if hint is not None:
                 error["message"] = f"{error['message']} ({hint})"
-        if error is not None and error.get("instruction_index") is None:
-            error["instruction_index"] = None
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
         if saved is not None:
@@ -169,6 +157,9 @@ def run_worker(settings: WorkerSettings) -> int:
     """The worker's main loop; returns the process exit code."""
     started_at = time.time()
     if os.environ.get("KCORAL_EAGER_CUDA") == "1":
+        # A sandboxed worker confines itself to its slot's GPU first: the context is made there.
+        if settings.gpu is not None and confinement.confine((settings.gpu,)) is None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = confinement.visible_devices((settings.gpu,))
         _create_cuda_context()
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
@@ -208,6 +199,9 @@ def run_worker(settings: WorkerSettings) -> int:
                 "started_at": started_at,
                 "ready_at": ready_at,
                 "finished_at": time.time(),
+                "confinement_ms": confinement.confinement_ms(),  # None: not sandboxed with GPUs
+                # The only GPUs this worker can serve again (None: any), see kcoral.worker.confinement.
+                "gpu_view": _listed(confinement.confined_to()),
                 **outcome.notes,
             }
             socket.send_multipart(protocol.message(protocol.RESULT, outcome.body, *outcome.frames), copy=False)
@@ -217,6 +211,10 @@ def run_worker(settings: WorkerSettings) -> int:
     finally:
         socket.close()
         context.term()
+
+
+def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
+    return None if gpus is None else list(gpus)
 
 
 def _create_cuda_context() -> None:
@@ -301,28 +299,5 @@ def _execute_message(
             outcome.body["results"], outcome.frames = {}, []
         return outcome
     except (protocol.WireError, OSError, ValueError, TypeError) as exc:
-        error = {
-            "kind": "parse",
-            "message": f"the worker could not read the program: {exc}",
-            "instruction_index": None,
-            "instruction_op": None,
-            "instruction_id": None,
-            "traceback": "",
-        }
-        return ExecutionOutcome(
-            {
-                "request_id": request_id,
-                "status": "FAILED",
-                "results": {},
-                "error": error,
-                "stdout": "",
-                "stderr": "",
-                "stdout_truncated": False,
-                "stderr_truncated": False,
-                "elapsed_ms": 0.0,
-                "lease_wait_ms": 0.0,
-                "lease_held_ms": 0.0,
-                "gpu_ids": [],
-            },
-            [],
-        )
+        error = protocol.error_map("parse", f"the worker could not read the program: {exc}")
+        return ExecutionOutcome(protocol.program_result(request_id, error=error), [])
