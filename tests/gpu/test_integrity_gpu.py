@@ -3,7 +3,8 @@
 Each attack must be reported within 10% of the honest time for the same work, or fail with
 ``integrity``, or read ``suspect``, or fail its check (``correctness`` in benchmark(), or the trusted
 harness of ``kcoral remote``). Honest workloads through ``kcoral remote`` must read correct and
-``ok``. With ``KCORAL_ATTACK_TABLE=PATH`` the outcomes are also written there as a table and JSON.
+``ok``. With ``KCORAL_ATTACK_TABLE=PATH`` the outcomes are also written there as a table and JSON;
+with ``KCORAL_ATTACK_URL`` the attacks go to that broker instead of one the tests start.
 
 Run on a GPU host: ``python3 -m pytest -q -m gpu tests/gpu/test_integrity_gpu.py``.
 """
@@ -33,6 +34,7 @@ pytestmark = [
 ]
 
 TABLE_ENV = "KCORAL_ATTACK_TABLE"
+URL_ENV = "KCORAL_ATTACK_URL"
 _outcomes: list[attacks.Outcome] = []
 
 
@@ -48,9 +50,13 @@ def _sandbox_flag() -> str:
 
 @pytest.fixture(scope="module")
 def attack_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    broker = start_broker(tmp_path_factory.mktemp("attack-broker"), "--sandbox", _sandbox_flag())
-    yield broker
-    broker.stop()
+    url = os.environ.get(URL_ENV)
+    if url:  # a broker the caller started (benchmarks/gpu_batch_integrity.sh: on its defaults)
+        yield RunningBroker(url, None, Path(os.devnull), Path(os.devnull))  # type: ignore[arg-type]
+    else:
+        broker = start_broker(tmp_path_factory.mktemp("attack-broker"), "--sandbox", _sandbox_flag())
+        yield broker
+        broker.stop()
     table = os.environ.get(TABLE_ENV)
     if table and _outcomes:
         lines = [attacks.HEADER, *(outcome.line() for outcome in _outcomes)]
