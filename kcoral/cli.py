@@ -321,7 +321,7 @@ def _router(args: argparse.Namespace) -> int:
     import zmq
 
     from kcoral.broker.broker import install_event_loop_policy
-    from kcoral.broker.router import NODE_WAIT_SECONDS, RouterSettings, run_router
+    from kcoral.router.router import NODE_WAIT_SECONDS, RouterSettings, run_router
 
     settings = RouterSettings(
         listen=args.listen,

@@ -29,10 +29,10 @@ from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import OFF_LOOP_UPLOAD_BYTES, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.requests import Request, RequestQueue, Worker, until_no_requests
-from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
+from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
 
@@ -113,8 +113,6 @@ class Broker(ProgramIntake):
         self.context = zmq.asyncio.Context()
         self.frontend = router_socket(self.context)
         self.backend = router_socket(self.context)
-        self.frontend_out = ImmediateSender(self.frontend)
-        self.backend_out = ImmediateSender(self.backend)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
         # READYs that arrived before their zygote's "forked" event was read.
@@ -348,10 +346,7 @@ class Broker(ProgramIntake):
         }
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
-            self.backend_out.send([worker.identity, *message])
-            # The socket's file descriptor is edge-triggered: a send through the shadow can take
-            # the edge that announced incoming messages, and the asyncio recv would then sleep
-            # until the next one (seconds, with 8 programs in flight). Re-check its events now.
+            send_now(self.backend, [worker.identity, *message])
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -464,7 +459,7 @@ class Broker(ProgramIntake):
             self.leases.release(request.id)
             return
         try:
-            self.backend_out.send([worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+            send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
             self.leases.release(request.id)
 
@@ -601,7 +596,7 @@ class Broker(ProgramIntake):
 
     def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         try:
-            self.frontend_out.send([client, *protocol.message(command, body, *frames)])
+            send_now(self.frontend, [client, *protocol.message(command, body, *frames)])
         except zmq.ZMQError as exc:
             # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))

@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
 
 log = structlog.get_logger("kcoral.supervisor")
@@ -125,11 +126,7 @@ class Supervisor:
                     state.process.kill()
                     await state.process.wait()
         await self._collect_orphans()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [

@@ -33,8 +33,8 @@ What the router does, and why:
   node restart does not fail the programs submitted meanwhile; once the pool has been empty that
   long, queued and new programs are refused at once with ``busy``. A program that asks for more
   GPUs than any registered node has is refused with ``capacity``.
-- Sends never wait: ROUTER_MANDATORY sockets written through blocking shadows with NOBLOCK, so an
-  unreachable client or node shows up as an error here and now.
+- Sends never wait: ROUTER_MANDATORY sockets written with NOBLOCK (kcoral/service/sockets.py), so
+  an unreachable client or node shows up as an error here and now.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import socket as stdlib_socket
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
@@ -57,8 +57,17 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.requests import RequestQueue, until_no_requests
-from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.target import versions
+from kcoral.router.nodes import (
+    Node,
+    RouterRequest,
+    choose_node,
+    merged_target,
+    parse_load_report,
+    parse_quiet_seconds,
+    parse_registration,
+)
+from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.router")
 
@@ -69,9 +78,7 @@ MAX_REMEMBERED_LOST_NODES = 256
 # noticed soon after its HEARTBEAT_LIVENESS intervals are up, not up to an interval later.
 CHECKS_PER_INTERVAL = 4
 GOODBYE_LINGER_MS = 200
-MAX_QUIET_SECONDS = protocol.MAX_TIMEOUT_SECONDS  # the most silence a node may announce
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
-NODE_STATUSES = ("ok", "draining")
 
 
 @dataclass(frozen=True)
@@ -88,87 +95,6 @@ class RouterSettings:
     node_blob_memory: int = NODE_BLOB_MEMORY
 
 
-@dataclass(eq=False)
-class RouterRequest:
-    id: str
-    client: bytes
-    gpu_count: int  # 0: the node's default, which any node can serve
-    digests: list[str]
-    frames: list[Any] | None  # the EXECUTE as received, kept until it goes to a node
-    received_at: float = field(default_factory=time.monotonic)
-    node: Node | None = None
-
-
-@dataclass(eq=False)
-class Node:
-    """A registered host broker, known by the identity of its current link."""
-
-    identity: bytes
-    node_id: str
-    instance_id: str
-    hostname: str
-    gpu_count: int
-    fake_gpus: int
-    status: str
-    load: dict[str, int]
-    target: dict[str, Any]
-    versions: dict[str, str]
-    registered_at: float = field(default_factory=time.time)
-    last_heard: float = field(default_factory=time.monotonic)
-    # Until then the node may be silent: it announced that it is storing a large upload.
-    quiet_until: float = 0.0
-    state: str = "live"
-    # False after a send to it failed; true again at its next message.
-    reachable: bool = True
-    requests: dict[str, RouterRequest] = field(default_factory=dict)
-    blobs: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    dispatched: int = 0
-    lost_reason: str | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.load.get("request_capacity", 0)
-
-    @property
-    def free_slots(self) -> int:
-        return self.capacity - len(self.requests)
-
-    @property
-    def dispatchable(self) -> bool:
-        return self.state == "live" and self.status == "ok" and self.reachable and self.free_slots > 0
-
-    def busyness(self) -> float:
-        return len(self.requests) / max(1, self.capacity)
-
-    def remember_blobs(self, digests: list[str], limit: int) -> None:
-        for digest in digests:
-            self.blobs[digest] = None
-            self.blobs.move_to_end(digest)
-        while len(self.blobs) > limit:
-            self.blobs.popitem(last=False)
-
-    def missing_blobs(self, digests: list[str]) -> int:
-        return sum(1 for d in digests if d not in self.blobs)
-
-    def describe(self, now: float) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "state": self.state if self.state != "live" else ("draining" if self.status == "draining" else "live"),
-            "hostname": self.hostname,
-            "instance_id": self.instance_id,
-            "gpus": self.gpu_count,
-            "fake_gpus": self.fake_gpus,
-            "load": dict(self.load),
-            "in_flight": len(self.requests),
-            "dispatched": self.dispatched,
-            "last_heard_s": round(now - self.last_heard, 3),
-            "registered_at": self.registered_at,
-            "arch": list(self.target.get("arch") or []),
-            "versions": {k: v for k, v in self.versions.items() if k in ("kcoral", "protocol", "torch")},
-            "lost_reason": self.lost_reason,
-        }
-
-
 class Router:
     """Queues clients' programs and dispatches them to registered host brokers."""
 
@@ -179,8 +105,6 @@ class Router:
         self.context = zmq.asyncio.Context()
         self.frontend = router_socket(self.context)
         self.backend = router_socket(self.context)
-        self.frontend_out = ImmediateSender(self.frontend)
-        self.backend_out = ImmediateSender(self.backend)
         self.requests: dict[str, RouterRequest] = {}
         self.queue: RequestQueue[RouterRequest] = RequestQueue()
         self.nodes: dict[bytes, Node] = {}  # live nodes by link identity
@@ -388,38 +312,20 @@ class Router:
 
     def _on_register(self, identity: bytes, body: dict[str, Any]) -> None:
         try:
-            node_id = protocol.check_id(body.get("node_id"), "node id")
-            gpu_count = _count(body.get("gpu_count"), "gpu_count")
-            fake_gpus = _count(body.get("fake_gpus", 0), "fake_gpus")
-            status = _status(body.get("status"))
-            load = _load(body.get("load"))
-            target = body.get("target") or {}
-            node_versions = body.get("versions") or {}
-            if not isinstance(target, dict) or not isinstance(node_versions, dict):
-                raise protocol.WireError("target and versions must be maps")
+            registration = parse_registration(body)
         except protocol.WireError as exc:
             log.warning("bad_registration", link=identity.decode(errors="replace"), error=str(exc))
             body = {"reason": f"registration refused: {exc}"}
             self._send_node(identity, protocol.message(protocol.NODE_DISCONNECT, body))
             return
         node = self.nodes.get(identity)
+        node_id = registration.node_id
         if node is None:
             for other in [n for n in self.nodes.values() if n.node_id == node_id]:
                 # The same node on a new link: it restarted, or dropped its old link; what the old
                 # link carried is lost on the node's side (or a second node uses the same id).
                 self._lose_node(other, "registered again on a new link")
-            node = Node(
-                identity=identity,
-                node_id=node_id,
-                instance_id=str(body.get("instance_id")),
-                hostname=str(body.get("hostname")),
-                gpu_count=gpu_count,
-                fake_gpus=fake_gpus,
-                status=status,
-                load=load,
-                target=target,
-                versions={str(k): str(v) for k, v in node_versions.items()},
-            )
+            node = registration.node(identity)
             self.nodes[identity] = node
             self.lost_nodes.pop(node_id, None)
             self.pool_empty_since = None
@@ -427,24 +333,22 @@ class Router:
                 "node_registered",
                 node=node_id,
                 hostname=node.hostname,
-                gpus=gpu_count,
+                gpus=node.gpu_count,
                 slots=node.capacity,
-                arch=target.get("arch"),
+                arch=node.target.get("arch"),
                 version=node.versions.get("kcoral"),
             )
         else:
-            node.status, node.load, node.last_heard, node.reachable = status, load, time.monotonic(), True
+            node.status, node.load = registration.status, registration.load
+            node.last_heard, node.reachable = time.monotonic(), True
         self._send_node(identity, protocol.message(protocol.NODE_REGISTERED, {"instance_id": self.instance_id}))
         self._dispatch()
 
     def _on_node_heartbeat(self, node: Node, body: dict[str, Any]) -> None:
-        node.status = _status(body.get("status"))
-        node.load = _load(body.get("load"))
-        quiet = body.get("quiet_seconds")
+        node.status, node.load = parse_load_report(body)
+        quiet = parse_quiet_seconds(body.get("quiet_seconds"))
         if quiet is not None:
-            if isinstance(quiet, bool) or not isinstance(quiet, (int, float)) or not quiet >= 0:
-                raise protocol.WireError(f"quiet_seconds must be a number >= 0, not {quiet!r}")
-            node.quiet_until = time.monotonic() + min(float(quiet), MAX_QUIET_SECONDS)
+            node.quiet_until = time.monotonic() + quiet
             log.info("node_quiet", node=node.node_id, seconds=round(quiet, 1))
         self._dispatch()
 
@@ -497,25 +401,13 @@ class Router:
             request = self.queue.pop()
             if request is None:
                 break
-            node = self._choose_node(request, ready)
+            node = choose_node(request, ready, self.random)
             if node is None or not self._start(request, node):
                 deferred.append(request)
             ready = [n for n in ready if n.dispatchable]
         # Those that fit no free node keep their place at the head of their client's queue.
         for request in reversed(deferred):
             self.queue.push_front(request, serve_client_next=False)
-
-    def _choose_node(self, request: RouterRequest, ready: list[Node]) -> Node | None:
-        fits = [n for n in ready if n.gpu_count >= request.gpu_count]
-        if len(fits) > 1 and request.digests:
-            missing = {n.identity: n.missing_blobs(request.digests) for n in fits}
-            fewest = min(missing.values())
-            fits = [n for n in fits if missing[n.identity] == fewest]
-        if len(fits) > 2:
-            fits = self.random.sample(fits, 2)
-        if not fits:
-            return None
-        return min(fits, key=lambda n: (n.busyness(), self.random.random()))
 
     def _start(self, request: RouterRequest, node: Node) -> bool:
         assert request.frames is not None
@@ -563,14 +455,14 @@ class Router:
 
     def _send_client(self, client: bytes, message: list[Any], request_id: str | None) -> None:
         try:
-            self.frontend_out.send([client, *message])
+            send_now(self.frontend, [client, *message])
         except zmq.ZMQError as exc:
             # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=request_id, error=str(exc))
 
     def _send_node(self, identity: bytes, message: list[Any]) -> bool:
         try:
-            self.backend_out.send([identity, *message])
+            send_now(self.backend, [identity, *message])
         except zmq.ZMQError as exc:
             log.info("node_unreachable", link=identity.decode(errors="replace"), error=str(exc))
             return False
@@ -592,7 +484,7 @@ class Router:
                 self._dispatch()
 
     def _expire_nodes(self, now: float) -> None:
-        if cast(int, self.backend_out.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if cast(int, self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return  # messages are waiting to be read (this loop was busy): they may be heartbeats
         liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
         for node in [n for n in self.nodes.values() if now - n.last_heard > liveness and now > n.quiet_until]:
@@ -646,42 +538,7 @@ class Router:
         }
 
     def target(self) -> dict[str, Any]:
-        """The live nodes' targets merged: every GPU (with its node), the union of archs."""
-        live = list(self.nodes.values())
-        gpus = [
-            {**gpu, "node": n.node_id} for n in live for gpu in (n.target.get("gpus") or []) if isinstance(gpu, dict)
-        ]
-        arch = sorted({str(a) for n in live for a in (n.target.get("arch") or [])})
-        devices = {n.target.get("device") for n in live}
-        return {
-            "device": "gpu" if "gpu" in devices else ("cpu" if live else "none"),
-            "fake_gpus": sum(n.fake_gpus for n in live),
-            "gpus": gpus,
-            "arch": arch,
-            "platform": self.platform,
-            "python": platform.python_version(),
-            "nodes": {n.node_id: n.target for n in live},
-        }
-
-
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise protocol.WireError(f"{what} must be an integer >= 0, not {value!r}")
-    return value
-
-
-def _status(value: object) -> str:
-    if value not in NODE_STATUSES:
-        raise protocol.WireError(f"node status must be one of {NODE_STATUSES}, not {value!r}")
-    return str(value)
-
-
-def _load(value: object) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise protocol.WireError("load must be a map")
-    return {
-        key: _count(value.get(key, 0), key) for key in ("request_capacity", "requests_in_progress", "requests_waiting")
-    }
+        return merged_target(list(self.nodes.values()), self.platform)
 
 
 async def run_router(settings: RouterSettings) -> int:
