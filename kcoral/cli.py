@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -56,6 +58,61 @@ def configure_logging(level: str, as_json: bool) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class Service(Protocol):
+    """A broker or a router, as the entry point runs it."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def serve(self) -> int: ...
+
+    def drain(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def install_event_loop_policy() -> None:
+    """Use uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_service(make: Callable[[], Service]) -> int:
+    """Run a service until it stops; the signals are the entry point's, not the service's.
+
+    SIGTERM and SIGINT (Ctrl-C) drain: no new programs, those in flight finish. A second SIGINT
+    stops at once (programs in flight are answered ``engine``). The broker starts its zygotes in
+    their own session, so a terminal's Ctrl-C reaches the broker alone, as SIGTERM does.
+    """
+
+    async def serve() -> int:
+        service = make()  # inside the loop: the service's events and sockets belong to it
+        loop = asyncio.get_running_loop()
+        log = structlog.get_logger("kcoral.cli")
+
+        def on_signal(sig: signal.Signals) -> None:
+            if sig == signal.SIGINT and service.draining:
+                log.warning("stopping_now", signal=sig.name)
+                service.stop()
+            else:
+                log.info("signal_received", signal=sig.name)
+                service.drain()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await service.serve()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    install_event_loop_policy()
+    return asyncio.run(serve())
 
 
 def _size(text: str) -> int:
@@ -256,12 +313,7 @@ def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from kcoral.broker.broker import (
-        NEGOTIATION_TIMEOUT_SECONDS,
-        BrokerSettings,
-        install_event_loop_policy,
-        run_broker,
-    )
+    from kcoral.broker.broker import NEGOTIATION_TIMEOUT_SECONDS, Broker, BrokerSettings
     from kcoral.broker.target import TargetError
     from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
 
@@ -307,9 +359,8 @@ def _broker(args: argparse.Namespace) -> int:
         upstream=args.upstream,
         node_id=args.node_id,
     )
-    install_event_loop_policy()
     try:
-        return asyncio.run(run_broker(settings))
+        return run_service(lambda: Broker(settings))
     except (TargetError, SandboxUnavailable) as exc:
         log.error("broker_cannot_start", error=str(exc))
         return EXIT_CONFIG
@@ -320,8 +371,7 @@ def _broker(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     import zmq
 
-    from kcoral.broker.broker import install_event_loop_policy
-    from kcoral.router.router import NODE_WAIT_SECONDS, RouterSettings, run_router
+    from kcoral.router.router import NODE_WAIT_SECONDS, Router, RouterSettings
 
     settings = RouterSettings(
         listen=args.listen,
@@ -331,9 +381,8 @@ def _router(args: argparse.Namespace) -> int:
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
     )
-    install_event_loop_policy()
     try:
-        return asyncio.run(run_router(settings))
+        return run_service(lambda: Router(settings))
     except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
         structlog.get_logger("kcoral.cli").error("router_cannot_start", error=str(exc))
         return EXIT_CONFIG

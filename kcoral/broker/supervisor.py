@@ -178,6 +178,9 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 env=spec.env if spec.env is not None else dict(os.environ),
                 limit=MAX_EVENT_LINE_BYTES,
+                # Its own session: a terminal's Ctrl-C goes to the foreground process group, and
+                # must reach the broker alone (it drains), not bwrap or the zygote under it.
+                start_new_session=True,
             )
         except OSError as exc:
             state.last_error = f"cannot start the zygote: {exc}"

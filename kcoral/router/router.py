@@ -40,10 +40,8 @@ What the router does, and why:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import platform
 import random
-import signal
 import socket as stdlib_socket
 import time
 import uuid
@@ -56,7 +54,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.requests import RequestQueue, until_no_requests
+from kcoral.broker.requests import RequestQueue
 from kcoral.broker.target import versions
 from kcoral.router.nodes import (
     Node,
@@ -67,6 +65,8 @@ from kcoral.router.nodes import (
     parse_quiet_seconds,
     parse_registration,
 )
+from kcoral.service.admission import declared_bytes, refuse_gpu_count, refuse_new_request, refuse_size
+from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.router")
@@ -78,7 +78,6 @@ MAX_REMEMBERED_LOST_NODES = 256
 # noticed soon after its HEARTBEAT_LIVENESS intervals are up, not up to an interval later.
 CHECKS_PER_INTERVAL = 4
 GOODBYE_LINGER_MS = 200
-SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
 
 
 @dataclass(frozen=True)
@@ -102,135 +101,105 @@ class Router:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex[:12]
         self.started_at = time.time()
-        self.context = zmq.asyncio.Context()
-        self.frontend = router_socket(self.context)
-        self.backend = router_socket(self.context)
-        self.requests: dict[str, RouterRequest] = {}
+        self.shell: ServiceShell[RouterRequest] = ServiceShell(
+            "router",
+            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            fail_request=self._finish_error,
+        )
+        self.shell.handlers.update(
+            {
+                protocol.EXECUTE: self._on_execute,
+                protocol.BLOBS: self._on_blobs,
+                protocol.CANCEL: self._on_cancel,
+                protocol.HEALTH: self.shell.answer(self.health),
+                protocol.TARGET: self.shell.answer(self.target),
+            }
+        )
+        self.requests = self.shell.requests
+        self.backend = router_socket(self.shell.context)
         self.queue: RequestQueue[RouterRequest] = RequestQueue()
         self.nodes: dict[bytes, Node] = {}  # live nodes by link identity
         self.lost_nodes: OrderedDict[str, Node] = OrderedDict()  # by node id, for health
         self.pool_empty_since: float | None = time.monotonic()
-        self.counters = {"finished": 0, "node_lost": 0, "refused": 0}
-        self.draining = False
-        self.stopped = asyncio.Event()
+        self.counters = {"finished": 0, "node_lost": 0}
         self.random = random.Random()
         # What does not change while the router runs, found once: HEALTH may be polled often.
         self.hostname = stdlib_socket.gethostname()
         self.versions = versions()
         self.platform = platform.platform()
-        self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ---
 
     async def serve(self) -> int:
-        """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
-        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_request_bytes, protocol.MAX_BODY_BYTES))
-        self.frontend.bind(self.settings.listen)
-        self.backend.bind(self.settings.nodes_listen)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.drain)
-        self._tasks = [
-            asyncio.create_task(self._client_loop()),
-            asyncio.create_task(self._node_loop()),
-            asyncio.create_task(self._tick_loop()),
-        ]
-        log.info(
-            "router_listening",
-            endpoint=self.settings.listen,
-            nodes_endpoint=self.settings.nodes_listen,
-            instance_id=self.instance_id,
-        )
-        await self.stopped.wait()
-        await self.close()
+        """Serve until stopped; return the exit code. :meth:`drain` (SIGTERM, Ctrl-C: the CLI
+        installs the signals) finishes the programs in flight first, :meth:`stop` does not."""
+        try:
+            self.shell.bind()
+            self.backend.bind(self.settings.nodes_listen)
+            self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
+            self.shell.spawn(self._tick_loop(), name="ticks")
+            log.info(
+                "router_listening",
+                endpoint=self.settings.listen,
+                nodes_endpoint=self.settings.nodes_listen,
+                instance_id=self.instance_id,
+            )
+            await self.shell.run()
+        finally:
+            await self.close()
         return 0
+
+    @property
+    def draining(self) -> bool:
+        return self.shell.draining
 
     def drain(self) -> None:
         """Stop taking programs; finish those in flight, then stop."""
-        if self.draining:
-            return
-        self.draining = True
-        log.info("router_draining", in_flight=len(self.requests))
-        asyncio.get_running_loop().create_task(self._finish_draining())
+        self.shell.drain()
 
-    async def _finish_draining(self) -> None:
-        await until_no_requests(self.requests, SHUTDOWN_DRAIN_SECONDS)
-        self.stopped.set()
+    def stop(self) -> None:
+        """Stop now: programs in flight are answered ``engine``."""
+        self.shell.stop()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.shell.close()
         # Nodes register again at once with whichever router comes next, instead of waiting for
         # HEARTBEAT_LIVENESS intervals of silence.
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
-        self.frontend.close(linger=0)
         self.backend.close(linger=GOODBYE_LINGER_MS)
-        self.context.term()
-        log.info("router_stopped", **self.counters)
+        self.shell.terminate()
+        log.info("router_stopped", **self.counters, refused=self.shell.refused)
 
     # --- clients ---
 
-    async def _client_loop(self) -> None:
-        await receive_forever(self.frontend, self._handle_client, "client_message_failed")
-
-    def _handle_client(self, frames: list[zmq.Frame]) -> None:
-        client = bytes(frames[0].buffer)
-        message = frames[1:]
+    def _on_execute(self, message: ClientMessage) -> None:
+        client, request_id = message.client, message.request_id
+        refusal = refuse_new_request(
+            service="router",
+            already_in_flight=request_id in self.requests,
+            draining=self.draining,
+            waiting=len(self.queue),
+            max_queued=self.settings.max_queued,
+        )
+        if refusal is not None:
+            self.shell.refuse(client, request_id, *refusal)
+            return
         try:
-            command, body, _ = protocol.split_message([f.buffer for f in message])
-            request_id = protocol.check_id(body.get("request_id"), "request_id")
+            program, options, digests = protocol.parse_execute(message.body)
+            declared = declared_bytes(program)
         except protocol.WireError as exc:
-            log.warning("bad_client_message", error=str(exc), frames=len(message))
-            return
-        try:
-            if command == protocol.EXECUTE:
-                self._on_execute(client, request_id, body, message)
-            elif command == protocol.BLOBS:
-                self._on_blobs(client, request_id, body, message)
-            elif command == protocol.CANCEL:
-                self._on_cancel(client, request_id)
-            elif command == protocol.HEALTH:
-                self._reply(client, {"request_id": request_id, "ok": True, "result": self.health()})
-            elif command == protocol.TARGET:
-                self._reply(client, {"request_id": request_id, "ok": True, "result": self.target()})
-            else:
-                self._refuse(client, request_id, "parse", f"unknown command {command.hex()}")
-        except Exception as exc:
-            # A bug must not leave a client waiting for ever: answer it.
-            log.exception("client_command_failed", request_id=request_id, command=command.hex())
-            request = self.requests.get(request_id)
-            if request is not None and request.client == client:
-                self._finish_error(request, "engine", f"internal error in the router: {exc!r}")
-            else:
-                self._refuse(client, request_id, "engine", f"internal error in the router: {exc!r}")
-
-    def _on_execute(self, client: bytes, request_id: str, body: dict[str, Any], message: list[Any]) -> None:
-        if request_id in self.requests:
-            self._refuse(client, request_id, "parse", "a request with this id is already in flight")
-            return
-        if self.draining:
-            self._refuse(client, request_id, "busy", "the router is shutting down")
-            return
-        if len(self.queue) >= self.settings.max_queued:
-            self._refuse(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
-            return
-        try:
-            _, options, digests = protocol.parse_execute(body)
-        except protocol.WireError as exc:
-            self._refuse(client, request_id, "parse", str(exc))
+            self.shell.refuse(client, request_id, "parse", str(exc))
             return
         gpu_count = options.gpu_count or 0
-        refusal = self._unservable(gpu_count, queued_for=None)
+        refusal = refuse_size(declared, self.settings.max_request_bytes, service="router") or self._unservable(
+            gpu_count, queued_for=None
+        )
         if refusal is not None:
-            self._refuse(client, request_id, *refusal)
+            self.shell.refuse(client, request_id, *refusal)
             return
-        request = RouterRequest(request_id, client, gpu_count, digests, message)
-        self.requests[request_id] = request
+        request = RouterRequest(request_id, client, gpu_count, digests, message.frames)
+        self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
         self._dispatch()
@@ -245,39 +214,37 @@ class Router:
             return None
         most = max(node.gpu_count for node in self.nodes.values())
         # A queued program gets node_wait seconds for a larger node (one restarting) to come back.
-        if gpu_count > most and (queued_for is None or queued_for >= self.settings.node_wait_seconds):
-            return "capacity", f"the program asks for {gpu_count} GPUs; the largest node has {most}"
+        if queued_for is None or queued_for >= self.settings.node_wait_seconds:
+            return refuse_gpu_count(gpu_count, most, where="the largest node")
         return None
 
-    def _on_blobs(self, client: bytes, request_id: str, body: dict[str, Any], message: list[Any]) -> None:
-        request = self.requests.get(request_id)
-        if request is None or request.client != client or request.node is None:
-            self._refuse(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
+    def _on_blobs(self, message: ClientMessage) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None or request.node is None:
+            text = "BLOBS for no request that is waiting for blobs"
+            self.shell.refuse(message.client, message.request_id, "parse", text)
             return
         node = request.node
-        if not self._send_node(node.identity, message):
+        if not self._send_node(node.identity, message.frames):
             self._finish_error(request, "node_lost", f"node {node.node_id} cannot be reached")
             return
-        sent = body.get("blobs")
+        sent = message.body.get("blobs")
         if isinstance(sent, list):
             node.remember_blobs([d for d in sent if isinstance(d, str)], self.settings.node_blob_memory)
 
-    def _on_cancel(self, client: bytes, request_id: str) -> None:
-        request = self.requests.get(request_id)
-        if request is None or request.client != client:
+    def _on_cancel(self, message: ClientMessage) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None:
             return
-        log.info("request_cancelled", request_id=request_id, node=request.node.node_id if request.node else None)
+        log.info("request_cancelled", request_id=request.id, node=request.node.node_id if request.node else None)
         node = request.node
-        cancel = protocol.message(protocol.CANCEL, {"request_id": request_id})
+        cancel = protocol.message(protocol.CANCEL, {"request_id": request.id})
         if node is None or not self._send_node(node.identity, cancel):
             # Still here, or its node cannot be told (the node cancels what it holds when it finds
             # its link gone): the program is cancelled for the client either way.
             self._finish_error(request, "cancelled", "the client cancelled the program")
 
     # --- nodes ---
-
-    async def _node_loop(self) -> None:
-        await receive_forever(self.backend, self._handle_node, "node_message_failed")
 
     def _handle_node(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
@@ -360,7 +327,7 @@ class Router:
         if body.get("state") == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
-        self._send_client(request.client, message, request_id)
+        self.shell.send(request.client, message, request_id)
 
     def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
         request = node.requests.get(request_id)
@@ -431,34 +398,19 @@ class Router:
 
     def _finish(self, request: RouterRequest, message: list[Any]) -> None:
         """Send a request's FINAL and forget it."""
-        if self.requests.pop(request.id, None) is None:
+        if self.requests.pop(request.id) is None:
             return
         if request.node is not None:
             request.node.requests.pop(request.id, None)
         else:
             self.queue.remove(request)
         self.counters["finished"] += 1
-        self._send_client(request.client, message, request.id)
+        self.shell.send(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
         log.info("request_failed", request_id=request.id, kind=kind, reason=text)
         self._finish(request, protocol.final_error(request.id, kind, text))
-
-    def _refuse(self, client: bytes, request_id: str, kind: str, text: str) -> None:
-        self.counters["refused"] += 1
-        log.info("request_refused", request_id=request_id, kind=kind, reason=text)
-        self._send_client(client, protocol.final_error(request_id, kind, text), request_id)
-
-    def _reply(self, client: bytes, body: dict[str, Any]) -> None:
-        self._send_client(client, protocol.message(protocol.FINAL, body), body.get("request_id"))
-
-    def _send_client(self, client: bytes, message: list[Any], request_id: str | None) -> None:
-        try:
-            send_now(self.frontend, [client, *message])
-        except zmq.ZMQError as exc:
-            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
-            log.info("client_unreachable", request_id=request_id, error=str(exc))
 
     def _send_node(self, identity: bytes, message: list[Any]) -> bool:
         try:
@@ -494,14 +446,12 @@ class Router:
         beat = protocol.message(protocol.NODE_HEARTBEAT, {})
         for node in self.nodes.values():
             self._send_node(node.identity, beat)
-        client_beat = protocol.message(protocol.HEARTBEAT, {})
-        for client in {r.client for r in self.requests.values()}:
-            self._send_client(client, client_beat, None)
+        self.shell.heartbeat_clients()
 
     def _expire_queued(self, now: float) -> None:
         """A queued program never waits for ever: see the module docstring for the rules."""
         limit = self.settings.queue_timeout_seconds
-        for request in [r for r in self.requests.values() if r.node is None]:
+        for request in [r for r in self.requests if r.node is None]:
             waited = now - request.received_at
             if waited > limit:
                 self._finish_error(request, "timeout", f"the program waited {limit:g} s without a free node")
@@ -531,7 +481,7 @@ class Router:
                 "max_queued": self.settings.max_queued,
                 "queued_at_router": queued,
             },
-            "counters": dict(self.counters),
+            "counters": {**self.counters, "refused": self.shell.refused},
             "target": self.target(),
             "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],
@@ -541,9 +491,4 @@ class Router:
         return merged_target(list(self.nodes.values()), self.platform)
 
 
-async def run_router(settings: RouterSettings) -> int:
-    router = Router(settings)
-    return await router.serve()
-
-
-__all__ = ["Router", "RouterSettings", "run_router"]
+__all__ = ["NODE_WAIT_SECONDS", "Router", "RouterSettings"]
