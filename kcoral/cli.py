@@ -315,7 +315,7 @@ def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
 def _broker(args: argparse.Namespace) -> int:
     from kcoral.broker.broker import NEGOTIATION_TIMEOUT_SECONDS, Broker, BrokerSettings
     from kcoral.broker.target import TargetError
-    from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
+    from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 
     log = structlog.get_logger("kcoral.cli")
     sandbox = args.sandbox

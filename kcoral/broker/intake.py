@@ -23,10 +23,10 @@ import structlog
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
 from kcoral.broker.requests import Request
+from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
 from kcoral.service.admission import declared_bytes, refuse_gpu_count, refuse_new_request, refuse_size
 from kcoral.service.shell import ClientMessage, InFlightTable
 from kcoral.service.tasks import TaskSet
-from kcoral.worker.sandbox import BLOBS as SANDBOX_BLOBS_DIR
 
 log = structlog.get_logger("kcoral.broker")
 
