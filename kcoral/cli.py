@@ -12,11 +12,14 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from kcoral import protocol
+
+if TYPE_CHECKING:
+    from kcoral.service.shell import ServiceShell
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -61,16 +64,11 @@ def configure_logging(level: str, as_json: bool) -> None:
 
 
 class Service(Protocol):
-    """A broker or a router, as the entry point runs it."""
+    """A broker or a router, as the entry point runs it: it serves, and its shell drains or stops."""
 
-    @property
-    def draining(self) -> bool: ...
+    shell: ServiceShell[Any]
 
     async def serve(self) -> int: ...
-
-    def drain(self) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 def install_event_loop_policy() -> None:
@@ -82,26 +80,30 @@ def install_event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def run_service(make: Callable[[], Service]) -> int:
-    """Run a service until it stops; the signals are the entry point's, not the service's.
+def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type[Exception], ...] = ()) -> int:
+    """Run a service until it stops and return the exit code; the signals are the entry point's,
+    not the service's.
 
     SIGTERM and SIGINT (Ctrl-C) drain: no new programs, those in flight finish. A second SIGINT
     stops at once (programs in flight are answered ``engine``). The broker starts its zygotes in
-    their own session, so a terminal's Ctrl-C reaches the broker alone, as SIGTERM does.
+    their own session, so a terminal's Ctrl-C reaches the broker alone, as SIGTERM does. An
+    endpoint that cannot be bound, or one of ``cannot_start``, exits with EXIT_CONFIG.
     """
+    import zmq
+
+    log = structlog.get_logger("kcoral.cli")
 
     async def serve() -> int:
         service = make()  # inside the loop: the service's events and sockets belong to it
         loop = asyncio.get_running_loop()
-        log = structlog.get_logger("kcoral.cli")
 
         def on_signal(sig: signal.Signals) -> None:
-            if sig == signal.SIGINT and service.draining:
+            if sig == signal.SIGINT and service.shell.draining:
                 log.warning("stopping_now", signal=sig.name)
-                service.stop()
+                service.shell.stop()
             else:
                 log.info("signal_received", signal=sig.name)
-                service.drain()
+                service.shell.drain()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
@@ -112,7 +114,14 @@ def run_service(make: Callable[[], Service]) -> int:
                 loop.remove_signal_handler(sig)
 
     install_event_loop_policy()
-    return asyncio.run(serve())
+    refusals: tuple[type[Exception], ...] = (zmq.ZMQError, *cannot_start)
+    try:
+        return asyncio.run(serve())
+    except refusals as exc:  # an endpoint in use or malformed, say
+        log.error(f"{name}_cannot_start", error=str(exc))
+        return EXIT_CONFIG
+    except KeyboardInterrupt:  # before the handlers were installed
+        return EXIT_OK
 
 
 def _size(text: str) -> int:
@@ -359,18 +368,10 @@ def _broker(args: argparse.Namespace) -> int:
         upstream=args.upstream,
         node_id=args.node_id,
     )
-    try:
-        return run_service(lambda: Broker(settings))
-    except (TargetError, SandboxUnavailable) as exc:
-        log.error("broker_cannot_start", error=str(exc))
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        return EXIT_OK
+    return run_service("broker", lambda: Broker(settings), (TargetError, SandboxUnavailable))
 
 
 def _router(args: argparse.Namespace) -> int:
-    import zmq
-
     from kcoral.router.router import NODE_WAIT_SECONDS, Router, RouterSettings
 
     settings = RouterSettings(
@@ -381,13 +382,7 @@ def _router(args: argparse.Namespace) -> int:
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
     )
-    try:
-        return run_service(lambda: Router(settings))
-    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
-        structlog.get_logger("kcoral.cli").error("router_cannot_start", error=str(exc))
-        return EXIT_CONFIG
-    except KeyboardInterrupt:
-        return EXIT_OK
+    return run_service("router", lambda: Router(settings))
 
 
 def _status(args: argparse.Namespace) -> int:

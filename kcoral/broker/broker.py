@@ -14,7 +14,6 @@ import socket as stdlib_socket
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.requests import Request, RequestQueue, Worker
+from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
@@ -39,41 +39,6 @@ WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the 
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024
 EARLY_READY_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class BrokerSettings:
-    """Everything ``kcoral broker`` can be told; the CLI fills it from flags."""
-
-    listen: str = "tcp://127.0.0.1:5555"
-    device: str = "auto"  # "gpu", "cpu" or "auto"
-    gpus: tuple[int, ...] | None = None  # None: every local GPU
-    fake_gpus: int = 0
-    workers_per_gpu: int = 1
-    workers: int = 2  # CPU workers where there are no GPUs
-    sandbox: str = "none"
-    sandbox_readonly_paths: tuple[Path, ...] = ()
-    max_programs_per_worker: int = 1
-    # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
-    # --cache-dir (or --run-dir) for a disk cache that survives a restart.
-    cache_dir: Path | None = None
-    cache_bytes: int = 1 << 30
-    cache_disk_bytes: int = 32 << 30
-    max_queued: int = 1024
-    queue_timeout_seconds: float = 3600.0
-    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
-    max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
-    # How long a program waits for a round of its missing blobs; it must cover their upload time.
-    negotiation_timeout_seconds: float = NEGOTIATION_TIMEOUT_SECONDS
-    # Blobs at least this large that are in the disk cache reach the worker as a path to map, not
-    # as a frame: no copy through the broker's memory and the ipc socket.
-    blob_path_min_bytes: int = 1 << 20
-    run_dir: Path | None = None
-    limits: dict[str, int] = field(default_factory=dict)
-    preload: str = "numpy,torch"
-    # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
-    upstream: str | None = None
-    node_id: str | None = None
 
 
 class Broker:
@@ -177,59 +142,45 @@ class Broker:
         return slots
 
     async def serve(self) -> int:
-        """Serve until stopped; return the exit code. :meth:`drain` (SIGTERM, Ctrl-C: the CLI
-        installs the signals) finishes the programs in flight first, :meth:`stop` does not."""
-        try:
-            (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
-            self.shell.bind()
-            self.backend.bind(self.worker_endpoint)
-            await self.supervisor.start()
-            worker_loop = receive_forever(self.backend, self._handle_worker, "worker_message_failed")
-            self.shell.spawn(worker_loop, name="workers")
-            self.shell.spawn(self._heartbeat_loop(), name="heartbeats")
-            if self.settings.upstream:
-                node_id = self.settings.node_id or default_node_id(self.settings.listen)
-                self.upstream = UpstreamLink(
-                    context=self.shell.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
-                )
-                # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
-                self.shell.clients.bind(self.upstream.local_endpoint)
-                self.upstream.start()
-            log.info(
-                "broker_listening",
-                endpoint=self.settings.listen,
-                gpus=list(self.gpu_ids),
-                slots=len(self.supervisor.slots),
-                sandbox=self.settings.sandbox,
-                instance_id=self.instance_id,
+        """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
+        installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        return await self.shell.serve(self._open, self._release)
+
+    async def _open(self) -> None:
+        (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
+        self.backend.bind(self.worker_endpoint)
+        await self.supervisor.start()
+        self.shell.spawn(receive_forever(self.backend, self._handle_worker, "worker_message_failed"), name="workers")
+        self.shell.spawn(self._heartbeat_loop(), name="heartbeats")
+        if self.settings.upstream:
+            node_id = self.settings.node_id or default_node_id(self.settings.listen)
+            self.upstream = UpstreamLink(
+                context=self.shell.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
             )
-            await self.shell.run()
-        finally:
-            await self.close()
-        return 0
+            # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
+            self.shell.clients.bind(self.upstream.local_endpoint)
+            self.upstream.start()
+        log.info(
+            "broker_listening",
+            endpoint=self.settings.listen,
+            gpus=list(self.gpu_ids),
+            slots=len(self.supervisor.slots),
+            sandbox=self.settings.sandbox,
+            instance_id=self.instance_id,
+        )
+
+    async def _release(self) -> None:
+        if self.upstream is not None:
+            await self.upstream.close()  # its sockets must be closed before the context ends
+        await self.supervisor.stop()
+        self.backend.close(linger=0)
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.info("broker_stopped", completed=self.completed, failed=self.failed)
 
     @property
     def draining(self) -> bool:
         return self.shell.draining
-
-    def drain(self) -> None:
-        """Stop taking programs; finish those in flight, then stop."""
-        self.shell.drain()
-
-    def stop(self) -> None:
-        """Stop now: programs in flight are answered ``engine`` and their workers killed."""
-        self.shell.stop()
-
-    async def close(self) -> None:
-        if self.upstream is not None:
-            await self.upstream.close()  # its sockets must be closed before the context ends
-        await self.shell.close()
-        await self.supervisor.stop()
-        self.backend.close(linger=0)
-        self.shell.terminate()
-        if self._own_run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-        log.info("broker_stopped", completed=self.completed, failed=self.failed)
 
     # --- clients (EXECUTE and BLOBS are the intake's) ---
 

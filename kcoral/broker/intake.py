@@ -24,7 +24,7 @@ from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
 from kcoral.broker.requests import Request
 from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
-from kcoral.service.admission import declared_bytes, refuse_gpu_count, refuse_new_request, refuse_size
+from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
 from kcoral.service.shell import ClientMessage, InFlightTable
 from kcoral.service.tasks import TaskSet
 
@@ -134,30 +134,21 @@ class ProgramIntake:
 
     def _execute(self, message: ClientMessage, prepared: dict[str, PreparedBlob] | None) -> None:
         client, request_id = message.client, message.request_id
-        refusal = refuse_new_request(
+        admitted = admit_execute(
+            message.body,
             service="broker",
             already_in_flight=request_id in self.requests,
             draining=self.port.draining,
             waiting=sum(1 for r in self.requests if r.state in ("negotiating", "queued")),
             max_queued=self.settings.max_queued,
+            max_request_bytes=self.settings.max_request_bytes,
+            capacity=self._capacity,
         )
-        if refusal is not None:
-            self.port.refuse(client, request_id, *refusal)
+        if isinstance(admitted, Refusal):
+            self.port.refuse(client, request_id, *admitted)
             return
-        try:
-            program, options, digests = protocol.parse_execute(message.body)
-            declared = declared_bytes(program)
-        except protocol.WireError as exc:
-            self.port.refuse(client, request_id, "parse", str(exc))
-            return
-        gpus = self.settings.gpu_count
-        gpu_count = options.gpu_count if options.gpu_count is not None else (1 if gpus else 0)
-        refusal = refuse_size(declared, self.settings.max_request_bytes, service="broker") or refuse_gpu_count(
-            gpu_count, gpus, where="this host"
-        )
-        if refusal is not None:
-            self.port.refuse(client, request_id, *refusal)
-            return
+        program, options, digests = admitted.program, admitted.options, admitted.digests
+        gpu_count = self._gpu_count(options)
         request = Request(request_id, client, program, options, digests, gpu_count)
         self.requests.add(request)
         # Pinned before anything is stored, so no eviction can fall between a blob's arrival (or
@@ -176,6 +167,15 @@ class ProgramIntake:
         )
         if self._store_blobs(request, message, prepared):
             self.negotiate(request, progressed=True)
+
+    def _capacity(self, options: protocol.ExecuteOptions) -> Refusal | None:
+        return refuse_gpu_count(self._gpu_count(options), self.settings.gpu_count, where="this host")
+
+    def _gpu_count(self, options: protocol.ExecuteOptions) -> int:
+        """The GPUs a program gets: as many as it asks for; one by default where there are any."""
+        if options.gpu_count is not None:
+            return options.gpu_count
+        return 1 if self.settings.gpu_count else 0
 
     def _blobs(self, message: ClientMessage, prepared: dict[str, PreparedBlob] | None) -> None:
         request = self.requests.of(message.client, message.request_id)

@@ -1,6 +1,6 @@
 """The router's node table: each registered host broker, the programs it holds, and how one is chosen.
 
-Pure logic (no sockets): :func:`parse_registration` and :func:`parse_load_report` validate what a
+Pure logic (no sockets): :func:`parse_registration` and :func:`parse_load_report` check what a
 node says, :func:`choose_node` picks where a program goes, :func:`merged_target` sums the nodes'
 targets for TARGET and HEALTH.
 """
@@ -101,43 +101,16 @@ class Node:
         }
 
 
-@dataclass(frozen=True)
-class Registration:
-    """A NODE_REGISTER body, checked."""
-
-    node_id: str
-    instance_id: str
-    hostname: str
-    gpu_count: int
-    fake_gpus: int
-    status: str
-    load: dict[str, int]
-    target: dict[str, Any]
-    versions: dict[str, str]
-
-    def node(self, identity: bytes) -> Node:
-        return Node(
-            identity=identity,
-            node_id=self.node_id,
-            instance_id=self.instance_id,
-            hostname=self.hostname,
-            gpu_count=self.gpu_count,
-            fake_gpus=self.fake_gpus,
-            status=self.status,
-            load=self.load,
-            target=self.target,
-            versions=self.versions,
-        )
-
-
-def parse_registration(body: dict[str, Any]) -> Registration:
-    """Check a NODE_REGISTER body; raises ``protocol.WireError`` naming what is wrong."""
+def parse_registration(identity: bytes, body: dict[str, Any]) -> Node:
+    """The node that a NODE_REGISTER body describes, on the link ``identity``; raises
+    ``protocol.WireError`` naming what is wrong."""
     target = body.get("target") or {}
     node_versions = body.get("versions") or {}
     if not isinstance(target, dict) or not isinstance(node_versions, dict):
         raise protocol.WireError("target and versions must be maps")
     status, load = parse_load_report(body)
-    return Registration(
+    return Node(
+        identity=identity,
         node_id=protocol.check_id(body.get("node_id"), "node id"),
         instance_id=str(body.get("instance_id")),
         hostname=str(body.get("hostname")),
@@ -216,7 +189,6 @@ def _load(value: object) -> dict[str, int]:
 
 __all__ = [
     "Node",
-    "Registration",
     "RouterRequest",
     "choose_node",
     "merged_target",

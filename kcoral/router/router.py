@@ -65,7 +65,7 @@ from kcoral.router.nodes import (
     parse_quiet_seconds,
     parse_registration,
 )
-from kcoral.service.admission import declared_bytes, refuse_gpu_count, refuse_new_request, refuse_size
+from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
@@ -131,86 +131,60 @@ class Router:
     # --- lifecycle ---
 
     async def serve(self) -> int:
-        """Serve until stopped; return the exit code. :meth:`drain` (SIGTERM, Ctrl-C: the CLI
-        installs the signals) finishes the programs in flight first, :meth:`stop` does not."""
-        try:
-            self.shell.bind()
-            self.backend.bind(self.settings.nodes_listen)
-            self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
-            self.shell.spawn(self._tick_loop(), name="ticks")
-            log.info(
-                "router_listening",
-                endpoint=self.settings.listen,
-                nodes_endpoint=self.settings.nodes_listen,
-                instance_id=self.instance_id,
-            )
-            await self.shell.run()
-        finally:
-            await self.close()
-        return 0
+        """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
+        installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        return await self.shell.serve(self._open, self._release)
 
-    @property
-    def draining(self) -> bool:
-        return self.shell.draining
+    async def _open(self) -> None:
+        self.backend.bind(self.settings.nodes_listen)
+        self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
+        self.shell.spawn(self._tick_loop(), name="ticks")
+        log.info(
+            "router_listening",
+            endpoint=self.settings.listen,
+            nodes_endpoint=self.settings.nodes_listen,
+            instance_id=self.instance_id,
+        )
 
-    def drain(self) -> None:
-        """Stop taking programs; finish those in flight, then stop."""
-        self.shell.drain()
-
-    def stop(self) -> None:
-        """Stop now: programs in flight are answered ``engine``."""
-        self.shell.stop()
-
-    async def close(self) -> None:
-        await self.shell.close()
+    async def _release(self) -> None:
         # Nodes register again at once with whichever router comes next, instead of waiting for
         # HEARTBEAT_LIVENESS intervals of silence.
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
         self.backend.close(linger=GOODBYE_LINGER_MS)
-        self.shell.terminate()
         log.info("router_stopped", **self.counters, refused=self.shell.refused)
 
     # --- clients ---
 
     def _on_execute(self, message: ClientMessage) -> None:
         client, request_id = message.client, message.request_id
-        refusal = refuse_new_request(
+        admitted = admit_execute(
+            message.body,
             service="router",
             already_in_flight=request_id in self.requests,
-            draining=self.draining,
+            draining=self.shell.draining,
             waiting=len(self.queue),
             max_queued=self.settings.max_queued,
+            max_request_bytes=self.settings.max_request_bytes,
+            capacity=lambda options: self._unservable(options.gpu_count or 0, queued_for=None),
         )
-        if refusal is not None:
-            self.shell.refuse(client, request_id, *refusal)
+        if isinstance(admitted, Refusal):
+            self.shell.refuse(client, request_id, *admitted)
             return
-        try:
-            program, options, digests = protocol.parse_execute(message.body)
-            declared = declared_bytes(program)
-        except protocol.WireError as exc:
-            self.shell.refuse(client, request_id, "parse", str(exc))
-            return
-        gpu_count = options.gpu_count or 0
-        refusal = refuse_size(declared, self.settings.max_request_bytes, service="router") or self._unservable(
-            gpu_count, queued_for=None
-        )
-        if refusal is not None:
-            self.shell.refuse(client, request_id, *refusal)
-            return
+        gpu_count, digests = admitted.options.gpu_count or 0, admitted.digests
         request = RouterRequest(request_id, client, gpu_count, digests, message.frames)
         self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
         self._dispatch()
 
-    def _unservable(self, gpu_count: int, queued_for: float | None) -> tuple[str, str] | None:
+    def _unservable(self, gpu_count: int, queued_for: float | None) -> Refusal | None:
         """(kind, message) when a program needing ``gpu_count`` GPUs should be refused now;
         ``queued_for`` is how long it has waited in the queue, None for one just arrived."""
         if not self.nodes:
             empty_for = time.monotonic() - (self.pool_empty_since or time.monotonic())
             if empty_for >= self.settings.node_wait_seconds:
-                return "busy", f"no host broker has been registered with this router for {empty_for:.0f} s"
+                return Refusal("busy", f"no host broker has been registered with this router for {empty_for:.0f} s")
             return None
         most = max(node.gpu_count for node in self.nodes.values())
         # A queued program gets node_wait seconds for a larger node (one restarting) to come back.
@@ -279,26 +253,24 @@ class Router:
 
     def _on_register(self, identity: bytes, body: dict[str, Any]) -> None:
         try:
-            registration = parse_registration(body)
+            registered = parse_registration(identity, body)
         except protocol.WireError as exc:
             log.warning("bad_registration", link=identity.decode(errors="replace"), error=str(exc))
             body = {"reason": f"registration refused: {exc}"}
             self._send_node(identity, protocol.message(protocol.NODE_DISCONNECT, body))
             return
         node = self.nodes.get(identity)
-        node_id = registration.node_id
         if node is None:
-            for other in [n for n in self.nodes.values() if n.node_id == node_id]:
+            for other in [n for n in self.nodes.values() if n.node_id == registered.node_id]:
                 # The same node on a new link: it restarted, or dropped its old link; what the old
                 # link carried is lost on the node's side (or a second node uses the same id).
                 self._lose_node(other, "registered again on a new link")
-            node = registration.node(identity)
-            self.nodes[identity] = node
-            self.lost_nodes.pop(node_id, None)
+            self.nodes[identity] = node = registered
+            self.lost_nodes.pop(node.node_id, None)
             self.pool_empty_since = None
             log.info(
                 "node_registered",
-                node=node_id,
+                node=node.node_id,
                 hostname=node.hostname,
                 gpus=node.gpu_count,
                 slots=node.capacity,
@@ -306,7 +278,7 @@ class Router:
                 version=node.versions.get("kcoral"),
             )
         else:
-            node.status, node.load = registration.status, registration.load
+            node.status, node.load = registered.status, registered.load
             node.last_heard, node.reachable = time.monotonic(), True
         self._send_node(identity, protocol.message(protocol.NODE_REGISTERED, {"instance_id": self.instance_id}))
         self._dispatch()
@@ -467,7 +439,7 @@ class Router:
         live = list(self.nodes.values())
         queued = len(self.queue)
         return {
-            "status": "draining" if self.draining else "ok",
+            "status": "draining" if self.shell.draining else "ok",
             "role": "router",
             "instance_id": self.instance_id,
             "started_at": self.started_at,

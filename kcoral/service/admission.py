@@ -1,16 +1,61 @@
 """Whether a service takes a program: the checks the broker and the router share, as pure functions.
 
-Each returns None when the program may go on, or the ``(kind, message)`` to refuse it with (the
-request error kinds of docs/protocol.md, section 9).
+Each check returns None when the program may go on, or the :class:`Refusal` to answer it with (a
+request error kind of docs/protocol.md, section 9, and a message). :func:`admit_execute` runs those
+that both services make on an EXECUTE, in their order.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from kcoral import protocol
 
-Refusal = tuple[str, str]
+
+class Refusal(NamedTuple):
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An EXECUTE that passed the shared checks: what the service needs of its body."""
+
+    program: dict[str, Any]
+    options: protocol.ExecuteOptions
+    digests: list[str]
+
+
+def admit_execute(
+    body: dict[str, Any],
+    *,
+    service: str,
+    already_in_flight: bool,
+    draining: bool,
+    waiting: int,
+    max_queued: int,
+    max_request_bytes: int,
+    capacity: Callable[[protocol.ExecuteOptions], Refusal | None],
+) -> Admitted | Refusal:
+    """The checks of an EXECUTE that the broker and the router share, cheapest first; ``capacity``
+    is the service's own check of the GPUs the program asks for."""
+    refusal = refuse_new_request(
+        service=service, already_in_flight=already_in_flight, draining=draining, waiting=waiting, max_queued=max_queued
+    )
+    if refusal is not None:
+        return refusal
+    try:
+        program, options, digests = protocol.parse_execute(body)
+        declared = declared_bytes(program)
+    except protocol.WireError as exc:
+        return Refusal("parse", str(exc))
+    return (
+        refuse_size(declared, max_request_bytes, service=service)
+        or capacity(options)
+        or Admitted(program, options, digests)
+    )
 
 
 def refuse_new_request(
@@ -18,18 +63,18 @@ def refuse_new_request(
 ) -> Refusal | None:
     """The checks made before an EXECUTE's body is even looked at."""
     if already_in_flight:
-        return "parse", "a request with this id is already in flight"
+        return Refusal("parse", "a request with this id is already in flight")
     if draining:
-        return "busy", f"the {service} is shutting down"
+        return Refusal("busy", f"the {service} is shutting down")
     if waiting >= max_queued:
-        return "busy", f"the queue is full ({max_queued} programs)"
+        return Refusal("busy", f"the queue is full ({max_queued} programs)")
     return None
 
 
 def refuse_size(declared: int, max_request_bytes: int, *, service: str) -> Refusal | None:
     """A program whose uploads, as declared, are over the limit: refused before any blob is sent."""
     if declared > max_request_bytes:
-        return (
+        return Refusal(
             "request_too_large",
             f"the program's uploads are {declared} bytes; this {service} takes at most {max_request_bytes}",
         )
@@ -39,7 +84,7 @@ def refuse_size(declared: int, max_request_bytes: int, *, service: str) -> Refus
 def refuse_gpu_count(gpu_count: int, most: int, *, where: str) -> Refusal | None:
     """A program that asks for more GPUs than ``where`` ("this host", "the largest node") has."""
     if gpu_count > most:
-        return "capacity", f"the program asks for {gpu_count} GPUs; {where} has {most}"
+        return Refusal("capacity", f"the program asks for {gpu_count} GPUs; {where} has {most}")
     return None
 
 
@@ -72,4 +117,12 @@ def declared_bytes(program: dict[str, Any]) -> int:
     return sum(sizes.values())
 
 
-__all__ = ["Refusal", "declared_bytes", "refuse_gpu_count", "refuse_new_request", "refuse_size"]
+__all__ = [
+    "Admitted",
+    "Refusal",
+    "admit_execute",
+    "declared_bytes",
+    "refuse_gpu_count",
+    "refuse_new_request",
+    "refuse_size",
+]

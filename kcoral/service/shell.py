@@ -11,23 +11,25 @@ blobs) and fills its dispatch table, one handler per command. The shell owns:
 - one set of replies: :meth:`reply`, :meth:`reply_ok`, :meth:`refuse`, :meth:`heartbeat_clients`;
 - the requests in flight (:class:`InFlightTable`), whose emptiness ends a drain;
 - the service's tasks (:class:`~kcoral.service.tasks.TaskSet`), cancelled together;
-- the lifecycle, as one runner owns it in aiohttp's ``web_runner``::
+- the lifecycle, as one runner owns it in aiohttp's ``web_runner``. A service's ``serve`` is
+  ``await shell.serve(start, release)``, which runs these steps::
 
-      shell.bind()            # socket options, then bind: a bad endpoint raises zmq.ZMQError
-      shell.spawn(loop())     # the service's own loops (workers, nodes, timers)
-      await shell.run()       # the client loop, until stop(); drain() finishes what is in flight first
-      await shell.close()     # answer what is left, cancel the tasks ...
-      shell.terminate()       # ... and, once the service closed its own sockets, the context
+      bind()                  # socket options, then bind: a bad endpoint raises zmq.ZMQError
+      await start()           # the service's own sockets and loops (spawned as the shell's tasks)
+      await run()             # the client loop, until stop(); drain() finishes what is in flight first
+      await close()           # always: answer what is still in flight, cancel the tasks,
+      await release()         # let the service close its own sockets and processes,
+      terminate()             # and end the context
 
-``run`` touches no signals: the entry point (``kcoral/cli.py``) maps SIGTERM and SIGINT to
-:meth:`drain` and a second SIGINT to :meth:`stop`, as arq's worker leaves them to its runner.
+``serve`` touches no signals: the entry point (``kcoral/cli.py``) maps SIGTERM and SIGINT to
+:meth:`drain` and a second SIGINT to :meth:`stop`, as arq leaves them to its runner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -156,6 +158,21 @@ class ServiceShell(Generic[RequestT]):
 
     # --- lifecycle ---
 
+    async def serve(self, start: Callable[[], Awaitable[None]], release: Callable[[], Awaitable[None]]) -> int:
+        """Bind, ``start`` the service, serve clients until stopped, then close everything (also
+        when a step fails): the steps in the module docstring. Returns the exit code."""
+        try:
+            self.bind()
+            await start()
+            await self.run()
+        finally:
+            await self.close()
+            try:
+                await release()
+            finally:
+                self.terminate()
+        return 0
+
     def bind(self, *more_endpoints: str) -> None:
         """Set the socket's options and bind it to ``settings.listen`` (and ``more_endpoints``)."""
         self.clients.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_message_bytes, protocol.MAX_BODY_BYTES))
@@ -203,9 +220,10 @@ class ServiceShell(Generic[RequestT]):
         await self.tasks.cancel_all()
 
     def terminate(self) -> None:
-        """Close the client socket and the context; the service's own sockets must be closed first."""
+        """Close the client socket, any socket the service left open (with its own linger), and
+        the context."""
         self.clients.close(linger=0)
-        self.context.term()
+        self.context.destroy()
 
     # --- the receive loop ---
 
