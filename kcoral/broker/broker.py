@@ -111,6 +111,7 @@ class Broker:
         self.completed = 0
         self.failed = 0
         self.upstream: UpstreamLink | None = None
+        self.ready_announced = False
 
     # --- setup ---
 
@@ -342,6 +343,10 @@ class Broker:
         self.workers[identity] = worker
         self.idle[identity] = worker
         log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        if not self.ready_announced and len(self.idle) >= len(self.supervisor.slots):
+            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
+            self.ready_announced = True
+            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.idle), gpus=list(self.gpu_ids))
         self._dispatch()
 
     def _on_worker_forked(self, slot: int, worker: str) -> None:
