@@ -145,7 +145,9 @@ class Broker:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
-        return await self.shell.serve(self._open, self._release)
+        return await self.shell.serve(
+            self._open, self._release, lambda: {"completed": self.completed, "failed": self.failed}
+        )
 
     async def _open(self) -> None:
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
@@ -177,7 +179,6 @@ class Broker:
         self.backend.close(linger=0)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        log.info("broker_stopped", completed=self.completed, failed=self.failed)
 
     @property
     def draining(self) -> bool:

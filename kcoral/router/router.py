@@ -133,7 +133,7 @@ class Router:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
-        return await self.shell.serve(self._open, self._release)
+        return await self.shell.serve(self._open, self._release, self._counters)
 
     async def _open(self) -> None:
         self.backend.bind(self.settings.nodes_listen)
@@ -152,7 +152,9 @@ class Router:
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
         self.backend.close(linger=GOODBYE_LINGER_MS)
-        log.info("router_stopped", **self.counters, refused=self.shell.refused)
+
+    def _counters(self) -> dict[str, int]:
+        return {**self.counters, "refused": self.shell.refused}
 
     # --- clients ---
 
@@ -453,7 +455,7 @@ class Router:
                 "max_queued": self.settings.max_queued,
                 "queued_at_router": queued,
             },
-            "counters": {**self.counters, "refused": self.shell.refused},
+            "counters": self._counters(),
             "target": self.target(),
             "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],

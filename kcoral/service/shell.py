@@ -158,12 +158,20 @@ class ServiceShell(Generic[RequestT]):
 
     # --- lifecycle ---
 
-    async def serve(self, start: Callable[[], Awaitable[None]], release: Callable[[], Awaitable[None]]) -> int:
+    async def serve(
+        self,
+        start: Callable[[], Awaitable[None]],
+        release: Callable[[], Awaitable[None]],
+        counters: Callable[[], dict[str, Any]] = dict,
+    ) -> int:
         """Bind, ``start`` the service, serve clients until stopped, then close everything (also
-        when a step fails): the steps in the module docstring. Returns the exit code."""
+        when a step fails): the steps in the module docstring. Returns the exit code; a service
+        that served logs ``<name>_stopped`` with its ``counters()`` last."""
+        served = False
         try:
             self.bind()
             await start()
+            served = True
             await self.run()
         finally:
             await self.close()
@@ -171,6 +179,8 @@ class ServiceShell(Generic[RequestT]):
                 await release()
             finally:
                 self.terminate()
+        if served:
+            log.info(f"{self.name}_stopped", **counters())
         return 0
 
     def bind(self, *more_endpoints: str) -> None:
