@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Unpack
 
 import pytest
 
@@ -23,16 +24,11 @@ def has_gpu() -> bool:
 
 
 def start_broker(
-    tmp_path: Path,
-    *args: str,
-    port: int | None = None,
-    env: dict[str, str] | None = None,
-    new_session: bool = False,
+    tmp_path: Path, *args: str, port: int | None = None, **launch: Unpack[testing.LaunchOptions]
 ) -> RunningBroker:
-    """A broker for a test: debug logs, and no sandbox unless the test asks for one; ``new_session``
-    starts it as a terminal starts a foreground job, in a process group of its own."""
+    """A broker for a test: debug logs, and no sandbox unless the test asks for one."""
     sandbox = () if "--sandbox" in args else ("--sandbox", "none")
-    return testing.start_broker(tmp_path, *args, *sandbox, port=port, env=env, new_session=new_session)
+    return testing.start_broker(tmp_path, *args, *sandbox, port=port, **launch)
 
 
 BrokerFactory = Callable[..., RunningBroker]
