@@ -55,7 +55,7 @@ step install-kcoral 40 "$PY" -m pip install -q --no-deps --no-build-isolation --
     >>"$OUT/environment.txt" 2>&1
 
 # benchmark() against Nsight Compute, in this process (ncu profiles a subprocess per workload).
-step timing-ncu 70 "$PY" benchmarks/timing.py --ncu-iters 10 --json "$OUT/timing-ncu.json"
+step timing-ncu 60 "$PY" benchmarks/timing.py --ncu-iters 10 --json "$OUT/timing-ncu.json"
 
 # A broker on its defaults (bubblewrap where bwrap runs), for the service runs and the attacks.
 if command -v kcoral >/dev/null 2>&1; then KC=(kcoral); else KC=("$PY" -m kcoral.cli); fi
@@ -83,11 +83,11 @@ done
 echo "broker pid $BROKER ready=$ready sandbox=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("sandbox"))' "$OUT/status.json" 2>/dev/null)" | tee -a "$SUMMARY"
 
 # The four honest workloads as 10 separate programs each, compared with the ncu medians above.
-step timing-service 100 "$PY" benchmarks/timing.py --via-service "$URL" --runs 10 \
+step timing-service 90 "$PY" benchmarks/timing.py --via-service "$URL" --runs 10 \
     --ncu-json "$OUT/timing-ncu.json" --json "$OUT/timing-service.json"
 
 # Every attack of the catalogue as a GPU test against the same broker; the table goes to attacks.txt.
-step pytest-attacks 170 env KCORAL_ATTACK_URL="$URL" KCORAL_ATTACK_TABLE="$OUT/attacks.txt" \
+step pytest-attacks 190 env KCORAL_ATTACK_URL="$URL" KCORAL_ATTACK_TABLE="$OUT/attacks.txt" \
     "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_integrity_gpu.py
 stop_broker
 trap - EXIT
