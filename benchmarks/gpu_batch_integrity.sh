@@ -51,7 +51,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     step install-wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
 fi
 step install-kcoral 40 "$PY" -m pip install -q --no-deps --no-build-isolation --break-system-packages .
-"$PY" -c 'import kcoral, torch; from kcoral.timing import trust; s = trust.arm(); print("kcoral", kcoral.__file__, "torch", torch.__version__, "cupti_error", s.cupti_error)' \
+"$PY" -c 'import time, kcoral, kcoral.builtins, torch; from kcoral.timing import trust; t = time.perf_counter(); s = trust.arm(); print("kcoral", kcoral.__file__, "torch", torch.__version__, "cupti_error", s.cupti_error, "arm_ms", round((time.perf_counter() - t) * 1e3, 1))' \
     >>"$OUT/environment.txt" 2>&1
 
 # benchmark() against Nsight Compute, in this process (ncu profiles a subprocess per workload).
