@@ -97,13 +97,30 @@ class FakeTerminal:
 
 def test_the_status_line_moves_out_of_the_way_of_output() -> None:
     err, out = FakeTerminal(), FakeTerminal()
-    display = TerminalProgress(err, out=out)  # type: ignore[arg-type]
+    display = TerminalProgress(err, out=out, show_output=True)  # type: ignore[arg-type]
     display(ProgressEvent("queued", "r", position=3))
     assert "kcoral: queued (3 ahead) 0.0 s" in err.text
     display(ProgressEvent("running", "r", gpu_ids=(0, 1), node="node-a"))
     assert "running on GPUs 0,1 at node-a" in err.text
-    display(ProgressEvent("output", "r", stream="stdout", text="hello\n"))
+    display(ProgressEvent("output", "r", stream="stdout", offset=0, text="hello\n"))
     assert out.text == "hello\n"
     assert err.text.endswith("\r\x1b[K\rkcoral: running on GPUs 0,1 at node-a 0.0 s\x1b[K")  # wiped, redrawn
+    display(ProgressEvent("output", "r", stream="stdout", offset=99, text="after a lost piece\n"))
+    assert out.text == "hello\n" and display.shown == {"stdout": 6, "stderr": 0}
     display.close()
     assert err.text.endswith("\r\x1b[K")
+
+
+def test_an_adapter_streams_the_remote_output_while_it_runs(shared_broker: RunningBroker) -> None:
+    code = "import sys, time; print('first', flush=True); time.sleep(2); print('second'); print('e', file=sys.stderr)"
+    argv = [sys.executable, "-m", "kcoral", "python", "--remote", shared_broker.url, "--", "-c", code]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert process.stdout is not None
+    first = process.stdout.readline()
+    seen_first_while_running = process.poll() is None
+    rest, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert first == b"first\n" and seen_first_while_running
+    assert rest == b"second\n"  # what was shown live is not written again
+    assert err == b"e\n"

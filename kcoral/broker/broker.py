@@ -420,10 +420,20 @@ class Broker(ProgramIntake):
         elif command == protocol.RELEASE:
             self.leases.release(request.id)
         elif command == protocol.PROGRESS:
-            index = body.get("index")
-            request.instruction_index = index if isinstance(index, int) else None
+            self._on_progress(request, body)
         elif command == protocol.RESULT:
             self._on_result(request, worker, body, data)
+
+    def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
+        """The instruction now running, or a piece of the program's output, which goes on to the
+        client as PARTIAL ``output`` (a client shows it live; the result repeats all of it)."""
+        index, stream, offset, text = body.get("index"), body.get("stream"), body.get("offset"), body.get("text")
+        if isinstance(index, int):
+            request.instruction_index = index
+        elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
+            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
+                piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
+                self._send_client(request.client, protocol.PARTIAL, piece)
 
     def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
         slot = body.get("slot")

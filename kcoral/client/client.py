@@ -385,6 +385,7 @@ def _progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:
     index = reply.get("instruction_index")
     node = reply.get("node")
     stream = reply.get("stream")
+    offset = reply.get("offset")
     text = reply.get("text")
     return ProgressEvent(
         state,
@@ -394,6 +395,7 @@ def _progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:
         instruction_index=index if isinstance(index, int) else None,
         node=node if isinstance(node, str) else None,
         stream=stream if stream in ("stdout", "stderr") else "",
+        offset=offset if isinstance(offset, int) else -1,
         text=text if isinstance(text, str) else "",
     )
 
@@ -415,13 +417,23 @@ class Client:
     """A blocking client: ``with Client(url) as client: client.execute(program)``.
 
     ``progress``: draw a status line on stderr while ``execute`` waits (uploading, queued, running),
-    wiped when it returns. ``None`` (the default): only when stderr is a terminal."""
+    wiped when it returns. ``None`` (the default): only when stderr is a terminal.
+    ``show_output``: write the program's stdout and stderr here as it runs (where the service streams
+    them); ``output_shown`` then counts the characters of each written during the last ``execute``,
+    so the rest can be written from the result (the command-line adapters do this)."""
 
     def __init__(
-        self, url: str | None = None, *, connect_timeout_seconds: float = 10.0, progress: bool | None = None
+        self,
+        url: str | None = None,
+        *,
+        connect_timeout_seconds: float = 10.0,
+        progress: bool | None = None,
+        show_output: bool = False,
     ) -> None:
         self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds)
         self.progress = progress
+        self.show_output = show_output
+        self.output_shown = {"stdout": 0, "stderr": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -474,9 +486,12 @@ class Client:
         output_limit_bytes: int | None = None,
     ) -> ProgramResult:
         """Run ``program`` and return its result. Raises KCoralError when it cannot run."""
+        show_status = bool(self.progress or (self.progress is None and _is_terminal(sys.stderr)))
         display = None
-        if self.progress or (self.progress is None and _is_terminal(sys.stderr)):
-            display = TerminalProgress(sys.stderr, out=sys.stdout)
+        if show_status or self.show_output:
+            display = TerminalProgress(
+                sys.stderr, out=sys.stdout, show_status=show_status, show_output=self.show_output
+            )
         try:
             return self._call(
                 self._async.execute(
@@ -486,11 +501,12 @@ class Client:
                     output_limit_bytes=output_limit_bytes,
                     on_progress=display,
                 ),
-                tick=display.tick if display is not None else None,
+                tick=display.tick if display is not None and show_status else None,
             )
         finally:
             if display is not None:
                 display.close()
+                self.output_shown = dict(display.shown)
 
     def health(self) -> dict[str, Any]:
         return self._call(self._async.health())

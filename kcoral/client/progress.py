@@ -31,6 +31,7 @@ class ProgressEvent:
     instruction_index: int | None = None  # running: the instruction now executing, where known
     node: str | None = None  # through a router: the node that runs it
     stream: str = ""  # output: "stdout" or "stderr"
+    offset: int = 0  # output: characters of that stream sent before this piece
     text: str = ""  # output: the piece of output
 
 
@@ -40,14 +41,28 @@ ProgressCallback = Callable[[ProgressEvent], None]
 class TerminalProgress:
     """A status line on ``stream`` (a terminal), redrawn in place and wiped when the program ends:
     ``kcoral: uploading 1.0 GiB (3 blobs) 2.1 s``, ``kcoral: queued (4 ahead) 0.3 s``,
-    ``kcoral: running on GPU 0 5.2 s``. Output events are written through (stdout to ``out``),
-    with the status line moved out of their way. Safe to call from two threads (the client's loop
-    delivers events, the waiting thread ticks the clock)."""
+    ``kcoral: running on GPU 0 5.2 s``. With ``show_output``, the program's output is written as it
+    comes (stdout to ``out``), the status line moved out of its way; ``shown`` counts the characters
+    of each stream written, so the rest can be written from the result. A piece that does not follow
+    the last one (one was lost) ends the live display of that stream. Safe to call from two threads
+    (the client's loop delivers events, the waiting thread ticks the clock)."""
 
-    def __init__(self, stream: TextIO, *, out: TextIO | None = None, label: str = "kcoral") -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        out: TextIO | None = None,
+        label: str = "kcoral",
+        show_status: bool = True,
+        show_output: bool = False,
+    ) -> None:
         self.stream = stream
         self.out = out if out is not None else stream
         self.label = label
+        self.show_status = show_status
+        self.show_output = show_output
+        self.shown = {"stdout": 0, "stderr": 0}
+        self._gaps: set[str] = set()
         self._lock = threading.Lock()
         self._line = ""
         self._since = time.monotonic()
@@ -57,11 +72,7 @@ class TerminalProgress:
     def __call__(self, event: ProgressEvent) -> None:
         with self._lock:
             if event.state == "output":
-                self._wipe()
-                target = self.out if event.stream == "stdout" else self.stream
-                target.write(event.text)
-                target.flush()
-                self._draw()
+                self._write_output(event)
                 return
             now = time.monotonic()
             if event.state == "uploading":
@@ -91,6 +102,19 @@ class TerminalProgress:
             self._wipe()
             self._line = ""
 
+    def _write_output(self, event: ProgressEvent) -> None:
+        if not self.show_output or event.stream not in self.shown or event.stream in self._gaps:
+            return
+        if event.offset != self.shown[event.stream]:
+            self._gaps.add(event.stream)
+            return
+        self._wipe()
+        target = self.out if event.stream == "stdout" else self.stream
+        target.write(event.text)
+        target.flush()
+        self.shown[event.stream] += len(event.text)
+        self._draw()
+
     def _upload_rate(self, now: float) -> str:
         if self._uploaded is None:
             return ""
@@ -100,7 +124,7 @@ class TerminalProgress:
         return f"uploaded {format_bytes(size)} in {seconds:.1f} s ({format_bytes(size / seconds)}/s); "
 
     def _draw(self) -> None:
-        if not self._line:
+        if not self._line or not self.show_status:
             return
         elapsed = time.monotonic() - self._since
         self.stream.write(f"\r{self.label}: {self._line} {elapsed:.1f} s\x1b[K")

@@ -8,6 +8,7 @@ context after the fork, says READY, executes one program (or more with
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -23,7 +24,7 @@ import zmq
 
 from kcoral import protocol
 from kcoral.worker import processes
-from kcoral.worker.capture import OutputCapture
+from kcoral.worker.capture import OutputCapture, OutputFollower
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
@@ -73,6 +74,8 @@ def execute_program(
     progress: Callable[[int], None] = lambda index: None,
     *,
     last: bool = False,
+    follow_output: Callable[[str, int, str], None] | None = None,
+    socket_lock: threading.Lock | None = None,
 ) -> ExecutionOutcome:
     """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
 
@@ -92,9 +95,11 @@ def execute_program(
     output_limit = int(options.get("output_limit_bytes", protocol.DEFAULT_OUTPUT_LIMIT_BYTES))
     run_dir = workspace / f"run-{request_id}"
     saved = None if last else ProcessState.capture()
-    interpreter = Interpreter(request, blobs, run_dir, LeaseChannel(socket, request_id, gpu_ids), progress)
+    lease = LeaseChannel(socket, request_id, gpu_ids, socket_lock)
+    interpreter = Interpreter(request, blobs, run_dir, lease, progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
     capture = OutputCapture(run_dir / "output", output_limit)
+    follower = OutputFollower(capture, follow_output) if follow_output is not None else contextlib.nullcontext()
     threads_before = set(threading.enumerate())
     start = time.monotonic()
     try:
@@ -111,7 +116,7 @@ def execute_program(
         os.chdir(run_dir / "work")
         sys.path.insert(0, str(run_dir / "work"))
         refusal = cuda_view_mismatch(gpu_ids)
-        with capture:
+        with capture, follower:
             error = interpreter.execute() if refusal is None else _program_error("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
         leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
@@ -285,11 +290,28 @@ def _execute_message(
             _map_blob(paths[digest])  # unreadable: fail now, as a program the worker cannot read
         blobs = ProgramBlobs(frames, paths)
 
+        lock = threading.Lock()  # the output follower's thread shares the socket
+
         def progress(index: int) -> None:
             processes.note_progress(index)  # survives the worker, unlike a message still queued
-            socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
+            with lock:
+                socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
 
-        outcome = execute_program(body, blobs, settings.workspace, socket, progress, last=settings.max_programs == 1)
+        def output(stream: str, offset: int, text: str) -> None:
+            body = {"request_id": request_id, "stream": stream, "offset": offset, "text": text}
+            with lock:
+                socket.send_multipart(protocol.message(protocol.PROGRESS, body))
+
+        outcome = execute_program(
+            body,
+            blobs,
+            settings.workspace,
+            socket,
+            progress,
+            last=settings.max_programs == 1,
+            follow_output=output,
+            socket_lock=lock,
+        )
         error = outcome.body.get("error")
         if isinstance(error, dict) and error.get("kind") == "response_too_large":
             # The broker refuses the whole response: do not send it the part that fitted.
