@@ -73,13 +73,13 @@ def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, sub
 
 
 @contextlib.contextmanager
-def router(nodes: int, *broker_flags: str) -> Iterator[str]:
+def router(nodes: int, *broker_flags: str, router_flags: Sequence[str] = ()) -> Iterator[str]:
     """Start ``kcoral router`` and ``nodes`` brokers that join it; yield the router's client URL once
     every node is live. Everything is stopped (SIGTERM) afterwards."""
     url, nodes_url = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     log_path = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-")) / "router.log"
     argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "warning", "router"]
-    argv += ["--listen", url, "--nodes-listen", nodes_url]
+    argv += ["--listen", url, "--nodes-listen", nodes_url, *router_flags]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
