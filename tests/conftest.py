@@ -75,8 +75,14 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> 
 
 
 def start_broker(
-    tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
+    tmp_path: Path,
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    new_session: bool = False,
 ) -> RunningBroker:
+    """Start ``kcoral broker`` with ``args`` and wait until every slot is ready; ``new_session``
+    starts it as a terminal would a foreground job: in a process group of its own."""
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
     run_dir = tmp_path / f"run-{port}"
@@ -98,7 +104,9 @@ def start_broker(
         argv += ["--sandbox", "none"]
     full_env = dict(os.environ, **(env or {}))
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session
+        )
     broker = RunningBroker(url, process, log_path, run_dir)
     try:
         wait_healthy(url, process, log_path)
