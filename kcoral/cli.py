@@ -98,6 +98,8 @@ def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type
     """
     import zmq
 
+    from kcoral.metrics import MetricsListenError
+
     log = structlog.get_logger("kcoral.cli")
 
     async def serve() -> int:
@@ -128,6 +130,9 @@ def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type
         return EXIT_CONFIG
     except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
         return _cannot_listen(name, exc)
+    except MetricsListenError as exc:
+        print(f"kcoral {name}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except KeyboardInterrupt:  # before the handlers were installed
         return EXIT_OK
 
@@ -217,6 +222,16 @@ def _endpoint(text: str) -> str:
     if not re.fullmatch(r"tcp://.+:[0-9]+|ipc://.+", text):
         hint = f" (did you mean tcp://{text}?)" if re.fullmatch(r"[^/:]+:[0-9]+", text) else ""
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}{hint}")
+    return text
+
+
+def _metrics_listen(text: str) -> str:
+    from kcoral.metrics import parse_listen
+
+    try:
+        parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -383,6 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="declared sizes and blob bytes of one program",
     )
 
+    for service in (broker, router):
+        service.add_argument(
+            "--metrics-listen",
+            metavar="HOST:PORT",
+            type=_metrics_listen,
+            default=None,
+            help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+        )
+
     status = sub.add_parser(
         "status",
         help="show a broker's or router's capacity, queue, leases, workers",
@@ -510,6 +534,7 @@ def _broker(args: argparse.Namespace) -> int:
         limits={k: v for k, v in limits.items() if v},
         upstream=args.upstream,
         node_id=args.node_id,
+        metrics_listen=args.metrics_listen,
     )
     # The CLI makes the temporary run directory, so that it goes away however the broker ends
     # (a port in use, a sandbox that cannot start).
@@ -532,6 +557,7 @@ def _router(args: argparse.Namespace) -> int:
         queue_timeout_seconds=args.queue_timeout,
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
+        metrics_listen=args.metrics_listen,
     )
     return run_service("router", lambda: Router(settings))
 

@@ -46,6 +46,10 @@ REQUEST_READ_TIMEOUT_SECONDS = 5.0
 _LISTEN = re.compile(r"(?:tcp://)?(\[[0-9a-fA-F:.]+\]|[^:/\[\]]*):([0-9]{1,5})")
 
 
+class MetricsListenError(Exception):
+    """Raised when the metrics endpoint cannot listen where it was told (an address in use)."""
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``tcp://`` optional, ``[::1]:PORT`` for IPv6) -> (host, port); ValueError."""
     match = _LISTEN.fullmatch(text.strip())
@@ -238,6 +242,17 @@ def _nodes(nodes: Any) -> Iterator[Metric]:
     yield running
 
 
+PROGRAMS_LISTED = 100  # programs in flight that health() lists; the rest are counted
+
+
+def programs_in_flight(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """health()'s ``programs`` (running first, then the longest waiting, at most PROGRAMS_LISTED)
+    and ``programs_total``, from one row per program in flight: ``request_id``, ``client``,
+    ``state``, ``age_s``, ``gpu_ids`` (and ``node`` through a router)."""
+    ordered = sorted(rows, key=lambda row: (row.get("state") != "running", -float(row.get("age_s") or 0)))
+    return {"programs": ordered[:PROGRAMS_LISTED], "programs_total": len(rows)}
+
+
 class MetricsServer:
     """``GET /metrics`` over HTTP/1.1 on the service's event loop."""
 
@@ -247,8 +262,12 @@ class MetricsServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        """Bind; OSError (an address in use, not this host's) goes to the caller."""
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST_BYTES)
+        """Bind; MetricsListenError when the address is in use or not this host's."""
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST_BYTES)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise MetricsListenError(f"cannot listen on {self.host}:{self.port} for metrics: {reason}") from exc
         sockets = self._server.sockets
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
@@ -289,4 +308,4 @@ class MetricsServer:
                 await writer.wait_closed()
 
 
-__all__ = ["MetricsServer", "ServiceMetrics", "outcome_of", "parse_listen"]
+__all__ = ["MetricsListenError", "MetricsServer", "ServiceMetrics", "outcome_of", "parse_listen", "programs_in_flight"]

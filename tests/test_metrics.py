@@ -20,6 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kcoral import Client, KCoralError, Program
 from kcoral.metrics import outcome_of, parse_listen
 from tests.conftest import BrokerFactory, RunningBroker, free_port
+from tests.test_router import node_broker, router_factory, wait_live
+
+__all__ = ["router_factory"]  # a fixture, used by name
 
 SOURCE = (
     "import os, time\n"
@@ -41,8 +44,8 @@ def known_sequence(url: str) -> None:
     with Client(url) as client:
         for _ in range(3):
             assert client.execute(call("nap", 0.01)).completed
-        assert client.execute(call("fail")).error["kind"] == "runtime"  # type: ignore[index]
-        assert client.execute(call("crash")).error["kind"] == "runtime"  # type: ignore[index]
+        assert client.execute(call("fail", cpu_only=True)).error["kind"] == "runtime"  # type: ignore[index]
+        assert client.execute(call("crash", cpu_only=True)).error["kind"] == "runtime"  # type: ignore[index]
         with pytest.raises(KCoralError) as caught:
             client.execute(call("nap", 30, cpu_only=True), timeout_seconds=0.5)
         assert caught.value.kind == "timeout"
@@ -172,3 +175,28 @@ def test_listen_addresses_and_outcomes_read_as_documented() -> None:
     )
     assert outcome_of({"ok": False, "error": {"kind": "busy"}}) == ("error", "busy")
     assert outcome_of({"ok": False}) == ("error", "engine")
+
+
+def test_the_router_counts_programs_and_nodes(router_factory: Any, broker_factory: BrokerFactory) -> None:
+    port = free_port()
+    router = router_factory("--metrics-listen", f"127.0.0.1:{port}")
+    for node_id in ("a", "b"):
+        node_broker(broker_factory, router, node_id)
+    wait_live(router, "a", "b")
+    with Client(router.url) as client:
+        for _ in range(3):
+            assert client.execute(call("nap", 0.01)).completed
+        assert client.execute(call("fail", cpu_only=True)).error["kind"] == "runtime"  # type: ignore[index]
+
+    metrics = scrape(port)
+    assert metrics[("kcoral_programs_total", (("error_kind", ""), ("outcome", "completed")))] == 3
+    assert metrics[("kcoral_programs_total", (("error_kind", "runtime"), ("outcome", "failed")))] == 1
+    assert metrics[("kcoral_end_to_end_seconds_count", ())] == 4
+    assert metrics[("kcoral_nodes", (("state", "live"),))] == 2
+    assert metrics[("kcoral_info", (("instance_id", router.health()["instance_id"]), ("role", "router")))] == 1
+
+    counters = json.loads(status(router.url, "--json").stdout)["counters"]
+    assert counters["completed"] == 3 and counters["failed"] == 1 and counters["failed_by_kind"] == {"runtime": 1}
+    page = status(router.url, "--count", "1").stdout
+    assert "nodes     2 live of 2" in page
+    assert {line.split()[0] for line in page.splitlines() if line.startswith("  ") and " live " in line} == {"a", "b"}
