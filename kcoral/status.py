@@ -53,6 +53,7 @@ def render(health: Mapping[str, Any], url: str, *, now: float | None = None) -> 
             f"{counters.get('errors', 0)} errors" + (f" ({detail})" if detail else "")
         )
     lines += _programs(health, now)
+    lines += _gpus(health.get("target"))
     lines += _leases(health.get("leases"))
     lines += _workers(health.get("workers"))
     lines += _cache(health.get("cache"))
@@ -87,6 +88,21 @@ def _programs(health: Mapping[str, Any], now: float) -> list[str]:
     more = int(total) - len(rows) if isinstance(total, int) else 0
     lines = [f"programs  {total} in flight" + (f", first {len(rows)} shown" if more > 0 else "")]
     return lines + _table(header, rows)
+
+
+def _gpus(target: Any) -> list[str]:
+    """The GPUs by the indices that gpu_ids and the leases use (through a router, with their node)."""
+    listed = target.get("gpus") if isinstance(target, Mapping) else None
+    gpus = [g for g in listed or [] if isinstance(g, Mapping)]
+    if not gpus:
+        return []
+    through_router = any("node" in g for g in gpus)
+    header = ["gpu", "name", "pci", "device", *(["node"] if through_router else [])]
+    rows = []
+    for gpu in gpus:
+        row = ["-" if gpu.get(key) is None else str(gpu.get(key)) for key in ("index", "name", "pci_bus_id", "device_node")]
+        rows.append(row + ([str(gpu.get("node") or "-")] if through_router else []))
+    return ["gpus", *_table(header, rows)]
 
 
 def _leases(leases: Any) -> list[str]:
