@@ -100,7 +100,8 @@ def _gpus(target: Any) -> list[str]:
     header = ["gpu", "name", "pci", "device", *(["node"] if through_router else [])]
     rows = []
     for gpu in gpus:
-        row = ["-" if gpu.get(key) is None else str(gpu.get(key)) for key in ("index", "name", "pci_bus_id", "device_node")]
+        keys = ("index", "name", "pci_bus_id", "device_node")
+        row = ["-" if gpu.get(key) is None else str(gpu.get(key)) for key in keys]
         rows.append(row + ([str(gpu.get("node") or "-")] if through_router else []))
     return ["gpus", *_table(header, rows)]
 
