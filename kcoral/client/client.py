@@ -528,10 +528,12 @@ class Client:
 
         future = asyncio.run_coroutine_threadsafe(call(), self._loop)
         try:
-            while tick is not None:
+            while tick is not None and not future.done():
                 try:
                     return future.result(PROGRESS_TICK_SECONDS)
                 except concurrent.futures.TimeoutError:
+                    if future.done():
+                        break  # the call itself raised TimeoutError: re-raised below
                     tick()
             return future.result()
         except KeyboardInterrupt:
