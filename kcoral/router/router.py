@@ -3,8 +3,7 @@
 Clients speak the same protocol to a router as to a broker (docs/protocol.md), so
 ``Client(router_url)`` works unchanged. Host brokers started with ``--upstream`` connect OUT to the
 router's nodes endpoint (kcoral/broker/upstream.py), register, and then exchange NODE_HEARTBEATs
-with it every HEARTBEAT_INTERVAL_SECONDS; the command bytes are in the federation section of
-kcoral/protocol.py.
+with it every HEARTBEAT_INTERVAL_SECONDS; the command bytes are in kcoral/protocol/node_link.py.
 
 What the router does, and why:
 

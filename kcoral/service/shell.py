@@ -326,7 +326,7 @@ class ServiceShell(Generic[RequestT]):
         return self.send(client, protocol.message(command, body, *data), body.get("request_id"))
 
     def reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
-        self.reply(client, protocol.FINAL, {"request_id": request_id, "ok": True, "result": result})
+        self.reply(client, protocol.FINAL, protocol.final_body(request_id, result))
 
     def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
         """Answer a request that was not taken with FINAL ``kind``."""
