@@ -21,10 +21,10 @@ the program's first instruction, :func:`confine`:
 CUDA numbers the GPUs it can open, so inside the confinement the program's GPUs are CUDA devices
 ``0..k-1`` (in PCI bus order, the order of their broker indices, with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``):
 :func:`visible_devices` gives ``CUDA_VISIBLE_DEVICES`` accordingly. A program that rewrites it, or
-opens another GPU's node by path, finds no other GPU. Measured on the 2-core CPU VM
-(``benchmarks/confinement.py``, 8 stand-in GPU nodes): 0.3 to 1 ms, and up to 7 ms when the
-previous worker's mount namespace is still being torn down (the kernel waits for an RCU grace
-period), against tens of milliseconds for a new bubblewrap.
+opens another GPU's node by path, finds no other GPU. Measured on the 2-core CPU VM while it was
+busy (``benchmarks/confinement.py``, 8 stand-in GPU nodes, load 9 to 17): 10 ms median, most of it
+the dozen mount calls of the ``/dev`` rebuild, each waiting for a CPU; a new bubblewrap per
+program instead would cost 45 ms there, and a zygote per GPU set an ``import torch`` per new set.
 
 A worker is confined once: a reused worker (``--max-programs-per-worker`` other than 1) serves only
 programs on the same GPUs, and refuses others (kind ``unavailable``), as a worker with an eager CUDA
