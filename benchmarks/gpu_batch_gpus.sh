@@ -19,6 +19,7 @@ export PYTHONUNBUFFERED=1
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-gpus}
 mkdir -p "$OUT"
+export OUT  # the GPU tests leave their broker's log there
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
