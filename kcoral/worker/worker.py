@@ -94,6 +94,7 @@ def execute_program(
             HOME=str(run_dir / "home"),
             TMPDIR=str(run_dir / "tmp"),
             KCORAL_REQUEST_ID=request_id,
+            KCORAL_GPU_IDS=",".join(str(g) for g in gpu_ids),  # the host's indices, whatever CUDA calls them
         )
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
