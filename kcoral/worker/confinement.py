@@ -26,6 +26,12 @@ busy (``benchmarks/confinement.py``, 8 stand-in GPU nodes, load 9 to 17): 10 ms 
 the dozen mount calls of the ``/dev`` rebuild, each waiting for a CPU; a new bubblewrap per
 program instead would cost 45 ms there, and a zygote per GPU set an ``import torch`` per new set.
 
+What is left: a process that a program's own thread starts in the microseconds between the
+zygote's last kill of the retiring worker's descendants and that worker's exit lives until the
+zygote reaps the exit, and meanwhile could reach the next worker's root through ``/proc/PID/root``
+(same user, no capabilities either side). Closing that for good needs a user namespace per worker,
+which bubblewrap's ``--disable-userns`` rules out unless a seccomp filter takes its place.
+
 A worker is confined once: a reused worker (``--max-programs-per-worker`` other than 1) serves only
 programs on the same GPUs, and refuses others (kind ``unavailable``), as a worker with an eager CUDA
 context does.
