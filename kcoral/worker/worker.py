@@ -171,6 +171,9 @@ def run_worker(settings: WorkerSettings) -> int:
         protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
     )
     ready_at = time.time()
+    if settings.gpu is not None:
+        # While no program is here yet: the broker gives a program the slot's own GPU first.
+        confinement.prepare((settings.gpu,))
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
