@@ -95,6 +95,7 @@ def execute_program(
             HOME=str(run_dir / "home"),
             TMPDIR=str(run_dir / "tmp"),
             KCORAL_REQUEST_ID=request_id,
+            KCORAL_GPU_IDS=",".join(str(g) for g in gpu_ids),  # the host's indices, whatever CUDA calls them
         )
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
@@ -170,6 +171,9 @@ def run_worker(settings: WorkerSettings) -> int:
         protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
     )
     ready_at = time.time()
+    if settings.gpu is not None:
+        # While no program is here yet: the broker gives a program the slot's own GPU first.
+        confinement.prepare((settings.gpu,))
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
