@@ -61,6 +61,13 @@ class SimulatedTracer:
                 self._records.external[correlation] = external_id
         return self.popped_wrong[0] if self.popped_wrong else external_id
 
+    def launch(self, duration_ns: int) -> None:
+        """Work launched by code that pushed no id (another thread): recorded, with no external id."""
+        started = self.timestamp()
+        self._records.activities.append(
+            Activity("concurrent_kernel", next(self._correlations), started, started + duration_ns, "gemm")
+        )
+
     def drain(self) -> TraceRecords:
         records, self._records = self._records, TraceRecords()
         return records
@@ -193,3 +200,43 @@ def test_defences_off_is_marked_suspect(simulated_gpu: SimulatedTracer) -> None:
     result = benchmark(lambda: x.add_(1.0), config={**CONFIG, "defences": False})
     assert result["integrity"]["verdict"] == "suspect"
     assert "defences were turned off" in result["integrity"]["reasons"][0]
+
+
+def test_work_another_thread_launches_inside_the_window_is_counted(simulated_gpu: SimulatedTracer) -> None:
+    import queue
+    import threading
+
+    jobs: queue.Queue[threading.Event | None] = queue.Queue()
+
+    def serve() -> None:
+        while (done := jobs.get()) is not None:
+            simulated_gpu.launch(2_000_000)  # a 2 ms GEMM, recorded with no external id
+            done.set()
+
+    helper = threading.Thread(target=serve, daemon=True)
+    helper.start()
+
+    def through_helper() -> None:
+        done = threading.Event()
+        jobs.put(done)
+        done.wait()
+
+    try:
+        result = benchmark(through_helper, config=CONFIG)
+    finally:
+        jobs.put(None)
+        helper.join()
+    assert result["latency_ms_median"] >= 2.0, result
+    assert result["integrity_details"]["foreign_activities"] == 0
+
+
+def test_work_launched_after_the_call_returned_is_foreign(simulated_gpu: SimulatedTracer) -> None:
+    import threading
+
+    def late() -> None:
+        threading.Timer(0.002, simulated_gpu.launch, args=(1_000_000,)).start()
+
+    result = benchmark(late, config=CONFIG)
+    time.sleep(0.01)
+    assert result["integrity"]["verdict"] == "suspect"
+    assert any("between the timed calls" in reason for reason in result["integrity"]["reasons"]), result["integrity"]
