@@ -644,7 +644,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(row["cost"] < DEFENCES_COST_LIMIT for row in results.values()) else 1
     if args.via_service:
         summary = via_service(args.via_service, args.workloads, max(1, args.runs), args.churn)
-        ncu_rows = json.loads(args.ncu_json.read_text()).get("workloads") if args.ncu_json else None
+        ncu_rows = None
+        if args.ncu_json is not None and args.ncu_json.is_file():
+            ncu_rows = json.loads(args.ncu_json.read_text()).get("workloads")
+        elif args.ncu_json is not None:
+            log(f"{args.ncu_json} is missing: no comparison with ncu")
         judge_service(summary, ncu_rows)
         print_service_table(summary)
         if args.json:
