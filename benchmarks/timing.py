@@ -561,6 +561,8 @@ def in_process(args: argparse.Namespace) -> int:
             row["ncu"] = ncu_median(name, args.ncu_iters, ncu, workdir)
         log(f"{name}: {json.dumps(row, default=str)}")
         rows[name] = row
+        if args.json:  # after each workload, so a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "workloads": rows}, default=str))
 
     if args.runs > 0:
         for name, values in repeat_runs(args.workloads, args.runs).items():
