@@ -368,7 +368,7 @@ def _run(
             "throttle_reasons_after": throttle_reason_names(reasons_after),
             "throttled": None if reasons_after is None else bool(reasons_after & SLOWDOWN_MASK),
             "gpu": str(torch.cuda.get_device_name(device)),
-            "device_index": int(device),
+            "device_index": int(device) if isinstance(device, int) else None,
             "inputs": {**plan.describe(), "first_timed_index": measurement.first_input_index},
             "outputs_checked": outputs_checked,
             "integrity": verdict(reasons),
