@@ -1,0 +1,1 @@
+"""What the broker and the router share as services: sockets, authentication, fair share."""
