@@ -122,7 +122,50 @@ def _existing_path(text: str) -> Path:
     return path
 
 
+def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
+    """CurveZMQ and fair share, the same for broker and router (kcoral/service/)."""
+    parser.add_argument(
+        "--curve-secret-key",
+        type=_existing_path,
+        default=None,
+        metavar="FILE",
+        help="this service's secret key file (kcoral keys generate): CurveZMQ on its TCP endpoints",
+    )
+    parser.add_argument(
+        "--authorized-keys",
+        type=_existing_path,
+        default=None,
+        metavar="DIR",
+        help="a directory of the clients' public key files (*.key); only those clients may connect",
+    )
+    if nodes:
+        parser.add_argument(
+            "--authorized-node-keys",
+            type=_existing_path,
+            default=None,
+            metavar="DIR",
+            help="a directory of the host brokers' public key files; only those may register as nodes",
+        )
+    parser.add_argument(
+        "--insecure-listen-any",
+        action="store_true",
+        help="without keys, listen beyond loopback anyway (anyone who reaches the port may use it)",
+    )
+    parser.add_argument(
+        "--max-queued-per-client",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="programs one client (one key, or one connection without keys) may have waiting "
+        "(default: a quarter of --max-queued)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kcoral.tools import add_adapter_parsers
+    from kcoral.tools.adapter import add_key_arguments
+
+    key_defaults = (os.environ.get("KCORAL_SERVER_KEY"), os.environ.get("KCORAL_CLIENT_KEY"))
     parser = argparse.ArgumentParser(prog="kcoral", description="KCoral: a GPU evaluation service.")
     parser.add_argument("--log-level", default=os.environ.get("KCORAL_LOG_LEVEL", "info"))
     parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
@@ -202,6 +245,42 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--node-id", type=_node_id, default=None, help="this host's name at the router (default: HOSTNAME:PORT)"
     )
+    broker.add_argument(
+        "--upstream-server-key",
+        type=_existing_path,
+        default=None,
+        metavar="FILE",
+        help="the router's public key file: CurveZMQ on the link to --upstream",
+    )
+    broker.add_argument(
+        "--upstream-key",
+        type=_existing_path,
+        default=None,
+        metavar="FILE",
+        help="this node's secret key file for the link (default: --curve-secret-key)",
+    )
+    _add_access_arguments(broker)
+    broker.add_argument(
+        "--orphan-grace",
+        type=_positive_seconds,
+        default=None,
+        metavar="S",
+        help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
+    )
+    broker.add_argument(
+        "--max-upload-bytes",
+        type=_size,
+        default=None,
+        metavar="B",
+        help="bytes of uploads in progress, all clients together (default: twice --max-request-bytes)",
+    )
+    broker.add_argument(
+        "--max-upload-bytes-per-client",
+        type=_size,
+        default=None,
+        metavar="B",
+        help="bytes of uploads in progress per client (default: --max-request-bytes)",
+    )
 
     router = sub.add_parser("router", help="one endpoint for the brokers of many GPU hosts")
     router.add_argument("--listen", default=DEFAULT_ROUTER_URL, help="where clients connect")
@@ -215,15 +294,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds programs wait for a node while none is registered, then are refused (default 10)",
     )
     router.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
+    _add_access_arguments(router, nodes=True)
+
+    keys = sub.add_parser("keys", help="CurveZMQ key pairs for services, clients and nodes")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
+    generate.add_argument("directory", type=_absolute_path, metavar="DIR")
+    generate.add_argument("--name", default="kcoral", help="the files' base name (default: kcoral)")
 
     status = sub.add_parser("status", help="show a broker's or router's capacity, queue, leases, workers")
     status.add_argument("url", nargs="?", default=None)
     status.add_argument("--json", action="store_true")
-
-    from kcoral.tools import add_adapter_parsers
+    add_key_arguments(status, key_defaults)
 
     # The seed's adapters: python, ncu, sanitizer, iket, remote (their flags live in kcoral/tools).
-    add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"))
+    add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"), default_keys=key_defaults)
     return parser
 
 
@@ -236,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         return _router(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "keys":
+        return _keys(args)
     if getattr(args, "adapter", None) is not None:
         return int(args.adapter(args))
     return EXIT_USAGE
@@ -255,17 +342,63 @@ def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
     return max(MIN_DEFAULT_MEMORY_BYTES, int(ram * DEFAULT_MEMORY_SHARE / max(1, slots)))
 
 
+def _server_security(args: argparse.Namespace, *, nodes: bool = False) -> Any:
+    """The service's ServerSecurity from its flags, or None without --curve-secret-key; KeyFileError
+    when they do not fit together."""
+    from kcoral.keys import KeyFileError
+    from kcoral.service.auth import CLIENTS_DOMAIN, NODES_DOMAIN, ServerSecurity
+
+    if args.curve_secret_key is None:
+        if args.authorized_keys is not None or getattr(args, "authorized_node_keys", None) is not None:
+            raise KeyFileError("--authorized-keys needs --curve-secret-key (the service's own key pair)")
+        return None
+    if args.authorized_keys is None:
+        raise KeyFileError("--curve-secret-key needs --authorized-keys DIR (the clients' public keys)")
+    directories = {CLIENTS_DOMAIN: args.authorized_keys}
+    if nodes:
+        if args.authorized_node_keys is None:
+            raise KeyFileError(
+                "a router with --curve-secret-key needs --authorized-node-keys DIR: the host brokers "
+                "that may register (a client must not be able to pose as a node)"
+            )
+        directories[NODES_DOMAIN] = args.authorized_node_keys
+    return ServerSecurity.from_files(args.curve_secret_key, directories)
+
+
+def _upstream_keys(args: argparse.Namespace) -> Any:
+    from kcoral.keys import ClientKeys, KeyFileError
+
+    if args.upstream_server_key is None:
+        if args.upstream_key is not None:
+            raise KeyFileError("--upstream-key needs --upstream-server-key (the router's public key)")
+        return None
+    own = args.upstream_key or args.curve_secret_key
+    if own is None:
+        raise KeyFileError("--upstream-server-key needs this node's key pair: --upstream-key or --curve-secret-key")
+    return ClientKeys.from_files(args.upstream_server_key, own)
+
+
 def _broker(args: argparse.Namespace) -> int:
     from kcoral.broker.broker import (
         NEGOTIATION_TIMEOUT_SECONDS,
+        ORPHAN_GRACE_SECONDS,
         BrokerSettings,
         install_event_loop_policy,
         run_broker,
     )
     from kcoral.broker.target import TargetError
+    from kcoral.keys import KeyFileError
+    from kcoral.service.auth import ListenRefused, check_listen
     from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
 
     log = structlog.get_logger("kcoral.cli")
+    try:
+        security, upstream_keys = _server_security(args), _upstream_keys(args)
+        # Checked again when the broker binds; here, before a run directory exists to clean up.
+        check_listen(args.listen, secured=security is not None, insecure_listen_any=args.insecure_listen_any)
+    except (KeyFileError, ListenRefused) as exc:
+        log.error("broker_cannot_start", error=str(exc))
+        return EXIT_CONFIG
     sandbox = args.sandbox
     if sandbox != "none":
         try:
@@ -306,11 +439,18 @@ def _broker(args: argparse.Namespace) -> int:
         limits={k: v for k, v in limits.items() if v},
         upstream=args.upstream,
         node_id=args.node_id,
+        security=security,
+        insecure_listen_any=args.insecure_listen_any,
+        upstream_keys=upstream_keys,
+        max_queued_per_client=args.max_queued_per_client,
+        orphan_grace_seconds=args.orphan_grace or ORPHAN_GRACE_SECONDS,
+        max_upload_bytes=args.max_upload_bytes,
+        max_upload_bytes_per_client=args.max_upload_bytes_per_client,
     )
     install_event_loop_policy()
     try:
         return asyncio.run(run_broker(settings))
-    except (TargetError, SandboxUnavailable) as exc:
+    except (TargetError, SandboxUnavailable, ListenRefused) as exc:
         log.error("broker_cannot_start", error=str(exc))
         return EXIT_CONFIG
     except KeyboardInterrupt:
@@ -322,7 +462,15 @@ def _router(args: argparse.Namespace) -> int:
 
     from kcoral.broker.broker import install_event_loop_policy
     from kcoral.broker.router import NODE_WAIT_SECONDS, RouterSettings, run_router
+    from kcoral.keys import KeyFileError
+    from kcoral.service.auth import ListenRefused
 
+    log = structlog.get_logger("kcoral.cli")
+    try:
+        security = _server_security(args, nodes=True)
+    except KeyFileError as exc:
+        log.error("router_cannot_start", error=str(exc))
+        return EXIT_CONFIG
     settings = RouterSettings(
         listen=args.listen,
         nodes_listen=args.nodes_listen,
@@ -330,23 +478,45 @@ def _router(args: argparse.Namespace) -> int:
         queue_timeout_seconds=args.queue_timeout,
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
+        security=security,
+        insecure_listen_any=args.insecure_listen_any,
+        max_queued_per_client=args.max_queued_per_client,
     )
     install_event_loop_policy()
     try:
         return asyncio.run(run_router(settings))
-    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
-        structlog.get_logger("kcoral.cli").error("router_cannot_start", error=str(exc))
+    except (zmq.ZMQError, ListenRefused) as exc:  # an endpoint that cannot (or must not) be bound
+        log.error("router_cannot_start", error=str(exc))
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return EXIT_OK
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from kcoral.keys import KeyFileError, generate_keypair
+
+    try:
+        public, secret = generate_keypair(args.directory, args.name)
+    except (KeyFileError, OSError) as exc:
+        print(f"kcoral keys: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"public key  {public}  (give it to the services, or to clients as --server-key)")
+    print(f"secret key  {secret}  (mode 0600; keep it on this machine)")
+    return EXIT_OK
+
+
 def _status(args: argparse.Namespace) -> int:
     from kcoral import Client, KCoralError
+    from kcoral.tools.adapter import UsageError, keys_from_args
 
     url = args.url or os.environ.get("KCORAL_URL") or DEFAULT_BROKER_URL
     try:
-        with Client(url, connect_timeout_seconds=5.0) as client:
+        keys = keys_from_args(args)
+    except UsageError as exc:
+        print(f"kcoral status: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with Client(url, connect_timeout_seconds=5.0, keys=keys) as client:
             health = client.health()
     except KCoralError as exc:
         print(f"kcoral status: {exc}", file=sys.stderr)

@@ -33,15 +33,39 @@ from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socke
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
+from kcoral.keys import ClientKeys
+from kcoral.service import auth
+from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
 
 log = structlog.get_logger("kcoral.broker")
 
 NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blobs is dropped
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
+# A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
+# whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
+# messages ahead of it, about 2 s of reading on a busy 2-core VM. (Measured: when the flood fills
+# the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
+# when the worker exits is lost, RESULT included; only the flooding program's own answer.)
+CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024
 EARLY_READY_SECONDS = 10.0
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
+# Fair share. Without --max-queued-per-client one client may fill this fraction of --max-queued:
+# four busy clients together can fill the queue, one alone leaves room for everyone else.
+CLIENT_QUEUE_SHARE = 4
+# How long a vanished client's running programs go on before they are cancelled: a short network
+# blip (the DEALER reconnects under the same identity) costs nothing, a gone client little GPU time.
+ORPHAN_GRACE_SECONDS = 10.0
+# HEALTH and TARGET per client: plenty for a status page or a load balancer (a poll every 100 ms
+# is 10/s), while a flood of them is answered `busy` at a fraction of the cost.
+STATUS_REQUESTS_PER_SECOND = 20.0
+STATUS_REQUESTS_BURST = 50.0
+# PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
+# rate are dropped before they are decoded; a program that floods them costs the loop little.
+PROGRESS_PER_SECOND = 50.0
+PROGRESS_BURST = 100.0
+STATUS_BUSY_MESSAGE = f"more than {STATUS_REQUESTS_PER_SECOND:g} HEALTH or TARGET requests per second from this client"
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,29 @@ class BrokerSettings:
     # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
     upstream: str | None = None
     node_id: str | None = None
+    # Access (kcoral/service/auth.py, kcoral/service/fairness.py). Without security the broker
+    # listens on loopback only, unless insecure_listen_any.
+    security: auth.ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    upstream_keys: ClientKeys | None = None  # CURVE on the link to the router
+    max_queued_per_client: int | None = None  # None: max_queued // CLIENT_QUEUE_SHARE
+    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
+    # Bytes of uploads in progress (programs still negotiating their blobs); None: twice
+    # max_request_bytes in all, and max_request_bytes per client.
+    max_upload_bytes: int | None = None
+    max_upload_bytes_per_client: int | None = None
+
+    @property
+    def client_queue_limit(self) -> int:
+        if self.max_queued_per_client is not None:
+            return self.max_queued_per_client
+        return max(1, self.max_queued // CLIENT_QUEUE_SHARE)
+
+    @property
+    def upload_bounds(self) -> tuple[int, int]:
+        """(in all, per client) bytes of uploads in progress."""
+        per_client = self.max_upload_bytes_per_client or self.max_request_bytes
+        return self.max_upload_bytes or 2 * self.max_request_bytes, per_client
 
 
 class Broker(ProgramIntake):
@@ -124,6 +171,18 @@ class Broker(ProgramIntake):
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self.upstream: UpstreamLink | None = None
+        # Access and fair share.
+        self.zap: auth.ZapAuthenticator | None = None
+        self.trusted_owners: set[bytes] = set()  # the router relay: the router applies the limits
+        self.uploads: UploadBudget[bytes] = UploadBudget(*settings.upload_bounds)
+        self.orphans: OrphanWatch[bytes] = OrphanWatch(settings.orphan_grace_seconds)
+        self.status_limit: RateLimit[bytes] = RateLimit(STATUS_REQUESTS_PER_SECOND, STATUS_REQUESTS_BURST)
+        self.progress_limit: RateLimit[bytes] = RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST)
+        # What HEALTH and TARGET say that never changes, found once (versions() alone took about
+        # 1.6 ms of the loop per HEALTH).
+        self.hostname = stdlib_socket.gethostname()
+        self.versions = versions()
+        self.target_wire = self.target.to_wire()
 
     # --- setup ---
 
@@ -157,7 +216,19 @@ class Broker(ProgramIntake):
     async def serve(self) -> int:
         """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
-        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_request_bytes, protocol.MAX_BODY_BYTES))
+        security = self.settings.security
+        auth.check_listen(
+            self.settings.listen, secured=security is not None, insecure_listen_any=self.settings.insecure_listen_any
+        )
+        if security is not None:
+            self.zap = auth.ZapAuthenticator(self.context, security.authorized)
+            self.zap.start()
+            security.apply(self.frontend, auth.CLIENTS_DOMAIN)
+        auth.watch_peers(self.frontend)
+        # One frame larger than a client may have in uploads at once could never be accepted, and
+        # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
+        frame_limit = min(self.settings.max_request_bytes, self.settings.upload_bounds[1])
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(frame_limit, protocol.MAX_BODY_BYTES))
         self.frontend.bind(self.settings.listen)
         self.backend.bind(self.worker_endpoint)
         loop = asyncio.get_running_loop()
@@ -173,8 +244,13 @@ class Broker(ProgramIntake):
         if self.settings.upstream:
             node_id = self.settings.node_id or default_node_id(self.settings.listen)
             self.upstream = UpstreamLink(
-                context=self.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
+                context=self.context,
+                upstream=self.settings.upstream,
+                node_id=node_id,
+                health=self.health,
+                keys=self.settings.upstream_keys,
             )
+            self.trusted_owners.add(self.upstream.local_identity)
             # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
             self.frontend.bind(self.upstream.local_endpoint)
             self.upstream.start()
@@ -211,6 +287,8 @@ class Broker(ProgramIntake):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.supervisor.stop()
+        if self.zap is not None:
+            await self.zap.close()
         self.frontend.close(linger=0)
         self.backend.close(linger=0)
         self.context.term()
@@ -225,6 +303,7 @@ class Broker(ProgramIntake):
 
     def _handle_client(self, frames: list[zmq.Frame]) -> None:
         client = bytes(frames[0].buffer)
+        owner = auth.peer_identity(frames[-1], client)
         try:
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
@@ -238,7 +317,7 @@ class Broker(ProgramIntake):
             log.warning("bad_client_message", error=str(exc), command=command.hex())
             return
         try:
-            self._dispatch_command(client, command, request_id, body, data)
+            self._dispatch_command(client, command, request_id, body, data, owner)
         except Exception as exc:
             self._fail_internal(client, request_id, command, exc)
 
@@ -264,16 +343,23 @@ class Broker(ProgramIntake):
             self._reply_error(client, request_id, "parse", f"unreadable message: {exc}")
 
     def _dispatch_command(
-        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
+        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any], owner: bytes
     ) -> None:
-        if command in (protocol.EXECUTE, protocol.BLOBS) and sum(len(f) for f in data) >= OFF_LOOP_UPLOAD_BYTES:
+        if command in (protocol.HEALTH, protocol.TARGET) and not self.status_limit.allow(owner):
+            # Answered, so an honest client polling too fast knows why; not logged, so that a flood
+            # costs the loop only this reply (HEALTH itself is cheap too: see health()).
+            body = {"request_id": request_id, "ok": False, "error": protocol.error_body("busy", STATUS_BUSY_MESSAGE)}
+            self._send_client(client, protocol.FINAL, body)
+        elif command in (protocol.EXECUTE, protocol.BLOBS) and sum(len(f) for f in data) >= OFF_LOOP_UPLOAD_BYTES:
             # Hashing and writing a large upload takes seconds: do it in a thread, so heartbeats,
             # leases and other clients are served meanwhile.
-            task = asyncio.get_running_loop().create_task(self._prepare_then(client, command, request_id, body, data))
+            task = asyncio.get_running_loop().create_task(
+                self._prepare_then(client, command, request_id, body, data, owner)
+            )
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         elif command == protocol.EXECUTE:
-            self._on_execute(client, request_id, body, data)
+            self._on_execute(client, request_id, body, data, owner=owner)
         elif command == protocol.BLOBS:
             self._on_blobs(client, request_id, body, data)
         elif command == protocol.CANCEL:
@@ -281,7 +367,7 @@ class Broker(ProgramIntake):
         elif command == protocol.HEALTH:
             self._reply_ok(client, request_id, self.health())
         elif command == protocol.TARGET:
-            self._reply_ok(client, request_id, self.target.to_wire())
+            self._reply_ok(client, request_id, self.target_wire)
         else:
             self._reply_error(client, request_id, "parse", f"unknown command {command.hex()}")
 
@@ -399,6 +485,8 @@ class Broker(ProgramIntake):
 
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
+        if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
+            return  # dropped before it is decoded: see PROGRESS_PER_SECOND
         try:
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
@@ -515,7 +603,9 @@ class Broker(ProgramIntake):
         # Keep the worker known for a moment: its RESULT may still be queued in the socket.
         worker.exited = True
         self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
-        asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE_SECONDS, self._fail_crashed, request, worker, exit)
+        clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
+        grace = CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
+        asyncio.get_running_loop().call_later(grace, self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
         self.workers.pop(worker.identity, None)
@@ -562,6 +652,7 @@ class Broker(ProgramIntake):
             request.lease_task.cancel()
         self.leases.reclaim(request.id)
         self.blobs.unpin_owner(request.id)
+        self.uploads.release(request.id)
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
@@ -599,19 +690,46 @@ class Broker(ProgramIntake):
             client, protocol.FINAL, {"request_id": request_id, "ok": False, "error": protocol.error_body(kind, message)}
         )
 
-    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
+    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> bool:
+        """Send to a client; False when its connection is gone (ROUTER_MANDATORY)."""
         try:
             self.frontend_out.send([client, *protocol.message(command, body, *frames)])
         except zmq.ZMQError as exc:
-            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
+            # Gone (EHOSTUNREACH), or not reading (EAGAIN: its queue is full); nobody reads this one.
             log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))
+            return exc.errno != zmq.EHOSTUNREACH
+        return True
 
     async def _heartbeat_loop(self) -> None:
+        interval = protocol.HEARTBEAT_INTERVAL_SECONDS
+        next_beat = time.monotonic()
         while True:
-            await asyncio.sleep(protocol.HEARTBEAT_INTERVAL_SECONDS)
+            # On a fixed schedule, so that a beat delayed by a busy loop is not followed by a full
+            # interval more: what a client measures is the gap between two beats.
+            next_beat = max(next_beat + interval, time.monotonic())
+            await asyncio.sleep(next_beat - time.monotonic())
             for client in {r.client for r in self.requests.values()}:
-                self._send_client(client, protocol.HEARTBEAT, {})
+                if self._send_client(client, protocol.HEARTBEAT, {}):
+                    self.orphans.heard(client)
+                else:
+                    self._cancel_orphans(client)
             self._expire_queued()
+
+    def _cancel_orphans(self, client: bytes) -> None:
+        """A client's connection is gone (it disconnected, or libzmq's heartbeat found it dead):
+        nobody will read its answers. Its waiting programs end at once, its running ones once
+        the grace is over without the client coming back."""
+        grace_over = self.orphans.lost(client)
+        orphans = [r for r in self.requests.values() if r.client == client]
+        ending = [r for r in orphans if grace_over or r.state != "running"]
+        if ending:
+            log.warning(
+                "client_gone_cancelling", client=client.hex(), requests=len(ending), running=len(orphans) - len(ending)
+            )
+        for request in ending:
+            self._finish_error(request, "cancelled", "the client disconnected")
+        if len(ending) == len(orphans):
+            self.orphans.forget(client)
 
     def _expire_queued(self) -> None:
         """A program never waits in the queue for ever: past the queue timeout it is refused."""
@@ -630,7 +748,7 @@ class Broker(ProgramIntake):
             "status": "draining" if self.draining else "ok",
             "instance_id": self.instance_id,
             "started_at": self.started_at,
-            "hostname": stdlib_socket.gethostname(),
+            "hostname": self.hostname,
             "gpu_count": len(self.gpu_ids),
             "fake_gpus": self.target.fake,
             "load": {
@@ -649,8 +767,8 @@ class Broker(ProgramIntake):
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
             "counters": {"completed": self.completed, "failed": self.failed},
             "sandbox": self.settings.sandbox,
-            "target": self.target.to_wire(),
-            "versions": versions(),
+            "target": self.target_wire,
+            "versions": self.versions,
         }
 
 

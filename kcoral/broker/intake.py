@@ -18,6 +18,7 @@ import structlog
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
 from kcoral.broker.requests import Request, RequestQueue
+from kcoral.service.fairness import UploadBudget
 from kcoral.worker.sandbox import BLOBS as SANDBOX_BLOBS_DIR
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ class ProgramIntake:
     queue: RequestQueue[Request]
     draining: bool
     gpu_ids: tuple[int, ...]
+    uploads: UploadBudget[bytes]
+    trusted_owners: set[bytes]
 
     def _finish_error(self, request: Request, kind: str, message: str) -> None:
         raise NotImplementedError
@@ -47,7 +50,7 @@ class ProgramIntake:
     def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
         raise NotImplementedError
 
-    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
+    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> bool:
         raise NotImplementedError
 
     def _dispatch(self) -> None:
@@ -57,7 +60,7 @@ class ProgramIntake:
         raise NotImplementedError
 
     async def _prepare_then(
-        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
+        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any], owner: bytes
     ) -> None:
         digests = body.get("blobs")
         prepared: dict[str, PreparedBlob] = {}
@@ -73,7 +76,7 @@ class ProgramIntake:
             await asyncio.to_thread(prepare_all)
         try:
             if command == protocol.EXECUTE:
-                self._on_execute(client, request_id, body, data, prepared)
+                self._on_execute(client, request_id, body, data, prepared, owner=owner)
             else:
                 self._on_blobs(client, request_id, body, data, prepared)
         except Exception as exc:
@@ -86,20 +89,37 @@ class ProgramIntake:
         body: dict[str, Any],
         data: list[Any],
         prepared: dict[str, PreparedBlob] | None = None,
+        *,
+        owner: bytes | None = None,
     ) -> None:
+        owner = owner or client
         if request_id in self.requests:
             self._reply_error(client, request_id, "parse", "a request with this id is already in flight")
             return
         if self.draining:
             self._reply_error(client, request_id, "busy", "the broker is shutting down")
             return
-        waiting = sum(1 for r in self.requests.values() if r.state in ("negotiating", "queued"))
+        waiting = mine = 0
+        for r in self.requests.values():
+            if r.state in ("negotiating", "queued"):
+                waiting += 1
+                mine += r.owner == owner
         if waiting >= self.settings.max_queued:
             self._reply_error(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
             return
+        limit = self.settings.client_queue_limit
+        if mine >= limit and owner not in self.trusted_owners:
+            self._reply_error(
+                client,
+                request_id,
+                "busy",
+                f"this client has {mine} programs waiting; one client may have at most {limit}",
+            )
+            return
         try:
             program, options, digests = protocol.parse_execute(body)
-            declared = declared_bytes(program)
+            sizes = declared_sizes(program)
+            declared = sum(sizes.values())
         except protocol.WireError as exc:
             self._reply_error(client, request_id, "parse", str(exc))
             return
@@ -121,15 +141,20 @@ class ProgramIntake:
                 f"the program asks for {gpu_count} GPUs; this host has {len(self.gpu_ids)}",
             )
             return
-        request = Request(request_id, client, program, options, digests, gpu_count)
+        absent = self.blobs.missing(digests)
+        # Bytes this upload will hold before the program is queued, reserved before any is sent.
+        refusal = self.uploads.reserve(request_id, owner, sum(sizes.get(d, 0) for d in set(absent)))
+        if refusal is not None:
+            self._reply_error(client, request_id, refusal.kind, refusal.message)
+            return
+        request = Request(request_id, client, program, options, digests, gpu_count, owner=owner)
         self.requests[request_id] = request
         # Pinned before anything is stored, so no eviction can fall between a blob's arrival (or
         # its being found in the cache) and the program's end.
         for digest in digests:
             self.blobs.pin(digest, request_id)
-        # One hit or miss per blob and program, on what the cache held when the program arrived;
-        # later rounds check without counting, so a cold blob is not also counted as a hit.
-        absent = self.blobs.missing(digests)
+        # One hit or miss per blob and program (counted by missing() above), on what the cache held
+        # when the program arrived; later rounds check without counting.
         log.info(
             "request_received",
             request_id=request_id,
@@ -184,6 +209,11 @@ class ProgramIntake:
                         f"the program's uploads exceed {self.settings.max_request_bytes} bytes",
                     )
                     return False
+                # More than it declared: held against the client's upload bounds all the same.
+                refusal = self.uploads.reserve(request.id, request.owner, request.bytes_received)
+                if refusal is not None:
+                    self._finish_error(request, refusal.kind, refusal.message)
+                    return False
                 # A received frame is never written to again, so a large one is kept as it is.
                 ready = (prepared or {}).get(digest)
                 if ready is not None:
@@ -224,6 +254,7 @@ class ProgramIntake:
         if request.timer is not None:
             request.timer.cancel()
             request.timer = None
+        self.uploads.release(request.id)  # its blobs are all in the store, pinned until it ends
         request.state = "queued"
         request.queued_at = time.monotonic()
         self.queue.push(request)
@@ -255,8 +286,8 @@ class ProgramIntake:
         return sent, frames, paths
 
 
-def declared_bytes(program: dict[str, Any]) -> int:
-    """The bytes of a program's blobs as its instructions declare them, each digest once.
+def declared_sizes(program: dict[str, Any]) -> dict[str, int]:
+    """The size of each of a program's blobs as its instructions declare it.
 
     Counts tensors wherever they appear (uploads, run arguments, returned literals), so a program
     over the limit is refused before any of its bytes are sent.
@@ -281,4 +312,4 @@ def declared_bytes(program: dict[str, Any]) -> int:
         for key in ("tensor", "args", "value"):
             if key in ins:
                 protocol.decode_value(ins[key], visit)
-    return sum(sizes.values())
+    return sizes

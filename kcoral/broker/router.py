@@ -59,6 +59,7 @@ from kcoral import protocol
 from kcoral.broker.requests import RequestQueue, until_no_requests
 from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
 from kcoral.broker.target import versions
+from kcoral.service import auth
 
 log = structlog.get_logger("kcoral.router")
 
@@ -72,6 +73,7 @@ GOODBYE_LINGER_MS = 200
 MAX_QUIET_SECONDS = protocol.MAX_TIMEOUT_SECONDS  # the most silence a node may announce
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
 NODE_STATUSES = ("ok", "draining")
+CLIENT_QUEUE_SHARE = 4  # as in the broker: one client may fill a quarter of the queue
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,17 @@ class RouterSettings:
     node_wait_seconds: float = NODE_WAIT_SECONDS
     max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
     node_blob_memory: int = NODE_BLOB_MEMORY
+    # Access (kcoral/service/auth.py): CURVE with a clients and a nodes key set; without it, the
+    # router listens on loopback only unless insecure_listen_any.
+    security: auth.ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    max_queued_per_client: int | None = None  # None: max_queued // CLIENT_QUEUE_SHARE
+
+    @property
+    def client_queue_limit(self) -> int:
+        if self.max_queued_per_client is not None:
+            return self.max_queued_per_client
+        return max(1, self.max_queued // CLIENT_QUEUE_SHARE)
 
 
 @dataclass(eq=False)
@@ -97,6 +110,10 @@ class RouterRequest:
     frames: list[Any] | None  # the EXECUTE as received, kept until it goes to a node
     received_at: float = field(default_factory=time.monotonic)
     node: Node | None = None
+    owner: bytes = b""  # fair-share identity: the CURVE key, or the connection (as in the broker)
+
+    def __post_init__(self) -> None:
+        self.owner = self.owner or self.client
 
 
 @dataclass(eq=False)
@@ -195,11 +212,25 @@ class Router:
         self.versions = versions()
         self.platform = platform.platform()
         self._tasks: list[asyncio.Task[None]] = []
+        self.zap: auth.ZapAuthenticator | None = None
 
     # --- lifecycle ---
 
     async def serve(self) -> int:
         """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
+        security = self.settings.security
+        for endpoint, flag in ((self.settings.listen, "--listen"), (self.settings.nodes_listen, "--nodes-listen")):
+            auth.check_listen(
+                endpoint, secured=security is not None, insecure_listen_any=self.settings.insecure_listen_any, flag=flag
+            )
+        if security is not None:
+            self.zap = auth.ZapAuthenticator(self.context, security.authorized)
+            self.zap.start()
+            security.apply(self.frontend, auth.CLIENTS_DOMAIN)
+            # Only the host brokers whose keys are listed may register: anyone else could pose as a
+            # node and be sent other people's programs.
+            security.apply(self.backend, auth.NODES_DOMAIN)
+        auth.watch_peers(self.frontend)
         self.frontend.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_request_bytes, protocol.MAX_BODY_BYTES))
         self.frontend.bind(self.settings.listen)
         self.backend.bind(self.settings.nodes_listen)
@@ -244,6 +275,8 @@ class Router:
         # HEARTBEAT_LIVENESS intervals of silence.
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
+        if self.zap is not None:
+            await self.zap.close()
         self.frontend.close(linger=0)
         self.backend.close(linger=GOODBYE_LINGER_MS)
         self.context.term()
@@ -256,6 +289,7 @@ class Router:
 
     def _handle_client(self, frames: list[zmq.Frame]) -> None:
         client = bytes(frames[0].buffer)
+        owner = auth.peer_identity(frames[-1], client)
         message = frames[1:]
         try:
             command, body, _ = protocol.split_message([f.buffer for f in message])
@@ -265,7 +299,7 @@ class Router:
             return
         try:
             if command == protocol.EXECUTE:
-                self._on_execute(client, request_id, body, message)
+                self._on_execute(client, request_id, body, message, owner)
             elif command == protocol.BLOBS:
                 self._on_blobs(client, request_id, body, message)
             elif command == protocol.CANCEL:
@@ -285,7 +319,9 @@ class Router:
             else:
                 self._refuse(client, request_id, "engine", f"internal error in the router: {exc!r}")
 
-    def _on_execute(self, client: bytes, request_id: str, body: dict[str, Any], message: list[Any]) -> None:
+    def _on_execute(
+        self, client: bytes, request_id: str, body: dict[str, Any], message: list[Any], owner: bytes
+    ) -> None:
         if request_id in self.requests:
             self._refuse(client, request_id, "parse", "a request with this id is already in flight")
             return
@@ -294,6 +330,10 @@ class Router:
             return
         if len(self.queue) >= self.settings.max_queued:
             self._refuse(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
+            return
+        mine, limit = self.queue.queued_by(owner), self.settings.client_queue_limit
+        if mine >= limit:
+            self._refuse(client, request_id, "busy", f"this client has {mine} programs waiting; at most {limit} each")
             return
         try:
             _, options, digests = protocol.parse_execute(body)
@@ -305,7 +345,7 @@ class Router:
         if refusal is not None:
             self._refuse(client, request_id, *refusal)
             return
-        request = RouterRequest(request_id, client, gpu_count, digests, message)
+        request = RouterRequest(request_id, client, gpu_count, digests, message, owner=owner)
         self.requests[request_id] = request
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)

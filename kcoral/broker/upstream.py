@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.sockets import ImmediateSender
+from kcoral.keys import ClientKeys
 
 log = structlog.get_logger("kcoral.upstream")
 
@@ -89,12 +90,16 @@ class UpstreamLink:
         upstream: str,
         node_id: str,
         health: HealthSource,
+        keys: ClientKeys | None = None,
     ) -> None:
         protocol.check_id(node_id, "node id")
         self.context = context
         self.upstream = upstream
         self.node_id = node_id
         self.health = health
+        self.keys = keys  # CURVE on the link: the router checks this node's key (its nodes domain)
+        # The relay's identity at its broker, which trusts it with the router's clients' fair share.
+        self.local_identity = f"u-{uuid.uuid4().hex}".encode()
         # The broker binds its client socket here too; inproc needs no port and copies nothing.
         self.local_endpoint = f"inproc://kcoral-upstream-{uuid.uuid4().hex}"
         self.registered = False
@@ -113,7 +118,7 @@ class UpstreamLink:
         local.setsockopt(zmq.LINGER, 0)
         local.setsockopt(zmq.SNDHWM, LINK_HIGH_WATER_MARK)
         local.setsockopt(zmq.RCVHWM, LINK_HIGH_WATER_MARK)
-        local.setsockopt(zmq.IDENTITY, f"u-{uuid.uuid4().hex}".encode())
+        local.setsockopt(zmq.IDENTITY, self.local_identity)
         local.connect(self.local_endpoint)
         self._local = local
         # Sends fail at once (NOBLOCK) instead of waiting in a future nobody reads.
@@ -154,6 +159,8 @@ class UpstreamLink:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         # A fresh identity per link: the router tells an old link's late messages from the new one's.
         sock.setsockopt(zmq.IDENTITY, f"n-{uuid.uuid4().hex}".encode())
+        if self.keys is not None:
+            self.keys.apply(sock)
         sock.connect(self.upstream)
         self._link_out = ImmediateSender(sock)
         return sock

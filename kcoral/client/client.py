@@ -23,14 +23,19 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from kcoral import protocol
 from kcoral.client.program import Program
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError, ProtocolError, TransportError
+from kcoral.keys import ClientKeys
 
 T = TypeVar("T")
 URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 RECEIVE_HIGH_WATER_MARK = 10_000
 SEND_HIGH_WATER_MARK = 10_000
 
@@ -71,10 +76,17 @@ def check_execute_options(
 
 
 class AsyncClient:
-    """An asyncio client; many programs may be in flight over its one connection."""
+    """An asyncio client; many programs may be in flight over its one connection.
 
-    def __init__(self, url: str | None = None, *, connect_timeout_seconds: float = 10.0) -> None:
+    ``keys`` (:class:`kcoral.keys.ClientKeys`) make the connection CurveZMQ: encrypted, the
+    server checked against its public key, and this client known to it by its own key.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, connect_timeout_seconds: float = 10.0, keys: ClientKeys | None = None
+    ) -> None:
         self.url = resolve_url(url)
+        self.keys = keys
         if connect_timeout_seconds <= 0:
             raise ValueError("connect_timeout_seconds must be > 0")
         self.connect_timeout_seconds = connect_timeout_seconds
@@ -109,6 +121,8 @@ class AsyncClient:
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         socket.setsockopt(zmq.IDENTITY, f"c-{uuid.uuid4().hex}".encode())
+        if self.keys is not None:
+            self.keys.apply(socket)
         self._socket = socket
         try:
             with map_zmq_errors():
@@ -119,13 +133,37 @@ class AsyncClient:
         self._state = ClientState.OPENED
         self._reader = asyncio.create_task(self._read_loop())
         try:
-            await asyncio.wait_for(self.health(), self.connect_timeout_seconds)
+            await asyncio.wait_for(self._first_health(), self.connect_timeout_seconds)
         except (TimeoutError, TransportError) as exc:
             await self.aclose()
             raise TransportError(f"no answer from {self.url} within {self.connect_timeout_seconds:g} s") from exc
         except BaseException:
             await self.aclose()
             raise
+
+    async def _first_health(self) -> dict[str, Any]:
+        """health(); with CURVE keys, a handshake the service refuses ends it at once with
+        ``unauthorized`` rather than after the connect timeout (libzmq would retry for ever)."""
+        if self.keys is None or self._socket is None:
+            return await self.health()
+        monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        health = asyncio.ensure_future(self.health())
+        refused = asyncio.ensure_future(monitor.recv_multipart())
+        try:
+            done, _ = await asyncio.wait({health, refused}, return_when=asyncio.FIRST_COMPLETED)
+            if health in done:
+                return health.result()
+            event = zmq.utils.monitor.parse_monitor_message(refused.result())["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                message = f"{self.url} refused this client's key (not among its authorized keys)"
+            else:
+                message = f"the CurveZMQ handshake with {self.url} failed: is the server key the service's?"
+            raise KCoralError("unauthorized", message)
+        finally:
+            for future in (health, refused):
+                future.cancel()
+            self._socket.disable_monitor()
+            monitor.close(linger=0)
 
     async def aclose(self) -> None:
         """Close the connection; idempotent."""
@@ -341,8 +379,10 @@ def _request_error(request_id: str, reply: dict[str, Any]) -> KCoralError:
 class Client:
     """A blocking client: ``with Client(url) as client: client.execute(program)``."""
 
-    def __init__(self, url: str | None = None, *, connect_timeout_seconds: float = 10.0) -> None:
-        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds)
+    def __init__(
+        self, url: str | None = None, *, connect_timeout_seconds: float = 10.0, keys: ClientKeys | None = None
+    ) -> None:
+        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds, keys=keys)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
