@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kcoral import Client, KCoralError
+from kcoral.keys import ClientKeys
 
 START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 20.0
@@ -57,13 +58,13 @@ class RunningBroker:
         return self.process.returncode
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, keys: ClientKeys | None = None) -> None:
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"broker exited with {process.returncode}:\n{log_path.read_text()}")
         try:
-            with Client(url, connect_timeout_seconds=2.0) as client:
+            with Client(url, connect_timeout_seconds=2.0, keys=keys) as client:
                 health = client.health()
             # Every slot ready: otherwise which GPUs programs land on depends on start-up order.
             if health["workers"]["idle"] >= health["workers"]["slots"]:
@@ -75,7 +76,11 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> 
 
 
 def start_broker(
-    tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
+    tmp_path: Path,
+    *args: str,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    keys: ClientKeys | None = None,
 ) -> RunningBroker:
     port = port or free_port()
     url = f"tcp://127.0.0.1:{port}"
@@ -101,7 +106,7 @@ def start_broker(
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     broker = RunningBroker(url, process, log_path, run_dir)
     try:
-        wait_healthy(url, process, log_path)
+        wait_healthy(url, process, log_path, keys)
     except BaseException:
         broker.stop(signal.SIGKILL)
         raise
