@@ -183,11 +183,12 @@ class Broker(ProgramIntake):
         self.hostname = stdlib_socket.gethostname()
         self.versions = versions()
         self.target_wire = self.target.to_wire()
+        self.ready_announced = False
 
     # --- setup ---
 
     def _slot_specs(self) -> list[SlotSpec]:
-        from kcoral.broker.sandboxing import zygote_launcher
+        from kcoral.sandbox.launcher import zygote_launcher
 
         # Checks once that bwrap runs (SandboxUnavailable otherwise), not once per slot.
         launcher = zygote_launcher(self.settings, self.run_dir)
@@ -532,6 +533,10 @@ class Broker(ProgramIntake):
         self.workers[identity] = worker
         self.idle[identity] = worker
         log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        if not self.ready_announced and len(self.idle) >= len(self.supervisor.slots):
+            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
+            self.ready_announced = True
+            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.idle), gpus=list(self.gpu_ids))
         self._dispatch()
 
     def _on_worker_forked(self, slot: int, worker: str) -> None:
