@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kcoral import Client, KCoralError, Program
+from kcoral.keys import ClientKeys
 
 
 def free_port() -> int:
@@ -27,8 +28,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start ``kcoral broker`` on a free loopback port; stop it (SIGTERM) afterwards."""
+def broker(
+    *flags: str, log_path: Path | None = None, keys: ClientKeys | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``kcoral broker`` on a free loopback port; stop it (SIGTERM) afterwards. ``keys``:
+    how to reach a broker started with ``--curve-secret-key``."""
     url = f"tcp://127.0.0.1:{free_port()}"
     run_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
     log_path = log_path or run_dir.with_suffix(".log")
@@ -53,7 +57,7 @@ def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, sub
             if process.poll() is not None:
                 raise RuntimeError(f"broker exited: {log_path.read_text()}")
             try:
-                with Client(url, connect_timeout_seconds=2) as client:
+                with Client(url, connect_timeout_seconds=2, keys=keys) as client:
                     health = client.health()
                 if health["workers"]["idle"] >= health["workers"]["slots"]:
                     break
