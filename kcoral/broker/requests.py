@@ -22,6 +22,7 @@ class Worker:
     pid: int
     request_id: str | None = None
     exited: bool = False
+    gpu_view: tuple[int, ...] | None = None  # the GPUs a reused sandboxed worker is confined to
 
 
 @dataclass
