@@ -22,7 +22,7 @@ from kcoral import AsyncClient, Client, KCoralError, Program, protocol
 from kcoral.keys import ClientKeys, generate_keypair
 from tests.conftest import BrokerFactory, free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 NAP_SOURCE = "import time\ndef nap(seconds):\n    time.sleep(seconds)\n    return seconds\n"
 # Uploaded code that floods the broker with PROGRESS through its own worker's socket, as a hostile
