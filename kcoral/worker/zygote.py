@@ -320,6 +320,13 @@ class Zygote:
             child.retired_at = time.monotonic()
             self.retiring[child.pid] = child
             self.crashes = 0
+            # A process that a thread of the program started after the worker's last look must not
+            # live on beside the next worker (through /proc/PID/root it would see that one's GPUs).
+            found = processes.descendants(child.pid, KILL_WALK_MOST)
+            tree = [info for info in map(processes.read_process, found) if info is not None]
+            if tree:
+                child.kill_reason = "its program left processes running after its result"
+                processes.kill_processes(tree)
 
     def on_exit(self, child: Child) -> None:
         if child is not self.current and child.pid not in self.retiring:
