@@ -11,15 +11,20 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import structlog
 
 from kcoral import __version__, protocol
 from kcoral.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from kcoral.service.shell import ServiceShell
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -63,6 +68,69 @@ def configure_logging(level: str, as_json: bool) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class Service(Protocol):
+    """A broker or a router, as the entry point runs it: it serves, and its shell drains or stops."""
+
+    shell: ServiceShell[Any]
+
+    async def serve(self) -> int: ...
+
+
+def install_event_loop_policy() -> None:
+    """Use uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type[Exception], ...] = ()) -> int:
+    """Run a service until it stops and return the exit code; the signals are the entry point's,
+    not the service's.
+
+    SIGTERM and SIGINT (Ctrl-C) drain: no new programs, those in flight finish. A second SIGINT
+    stops at once (programs in flight are answered ``engine``). The broker starts its zygotes in
+    their own session, so a terminal's Ctrl-C reaches the broker alone, as SIGTERM does. An
+    endpoint that cannot be bound, or one of ``cannot_start``, ends it with one line and
+    EXIT_CONFIG.
+    """
+    import zmq
+
+    log = structlog.get_logger("kcoral.cli")
+
+    async def serve() -> int:
+        service = make()  # inside the loop: the service's events and sockets belong to it
+        loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if sig == signal.SIGINT and service.shell.draining:
+                log.warning("stopping_now", signal=sig.name)
+                service.shell.stop()
+            else:
+                log.info("signal_received", signal=sig.name)
+                service.shell.drain()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await service.serve()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    install_event_loop_policy()
+    try:
+        return asyncio.run(serve())
+    except cannot_start as exc:
+        log.error(f"{name}_cannot_start", error=str(exc))
+        return EXIT_CONFIG
+    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
+        return _cannot_listen(name, exc)
+    except KeyboardInterrupt:  # before the handlers were installed
+        return EXIT_OK
 
 
 class _Parser(argparse.ArgumentParser):
@@ -172,6 +240,24 @@ def _existing_path(text: str) -> Path:
     return path
 
 
+def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The global flags; on a subcommand too (``kcoral broker --log-json``), where they default to
+    nothing so that they do not undo the same flag given before the subcommand."""
+    parser.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        type=_log_level,
+        default=None if top else argparse.SUPPRESS,
+        help=f"one of {', '.join(LOG_LEVELS)} (default: $KCORAL_LOG_LEVEL or info)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="one JSON object per log line",
+    )
+
+
 def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
     """CurveZMQ and fair share, the same for broker and router (kcoral/service/)."""
     parser.add_argument(
@@ -205,27 +291,14 @@ def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = Fals
         "--max-queued-per-client",
         type=_positive,
         default=None,
-        metavar="N",
         help="programs one client (one key, or one connection without keys) may have waiting "
         "(default: a quarter of --max-queued)",
     )
-
-
-def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """The global flags; on a subcommand too (``kcoral broker --log-json``), where they default to
-    nothing so that they do not undo the same flag given before the subcommand."""
     parser.add_argument(
-        "--log-level",
-        metavar="LEVEL",
-        type=_log_level,
-        default=None if top else argparse.SUPPRESS,
-        help=f"one of {', '.join(LOG_LEVELS)} (default: $KCORAL_LOG_LEVEL or info)",
-    )
-    parser.add_argument(
-        "--log-json",
-        action="store_true",
-        default=False if top else argparse.SUPPRESS,
-        help="one JSON object per log line",
+        "--orphan-grace",
+        type=_positive_seconds,
+        default=None,
+        help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
     )
 
 
@@ -352,24 +425,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_access_arguments(broker)
     broker.add_argument(
-        "--orphan-grace",
-        type=_positive_seconds,
-        default=None,
-        metavar="S",
-        help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
-    )
-    broker.add_argument(
         "--max-upload-bytes",
         type=_size,
         default=None,
-        metavar="B",
         help="bytes of uploads in progress, all clients together (default: twice --max-request-bytes)",
     )
     broker.add_argument(
         "--max-upload-bytes-per-client",
         type=_size,
         default=None,
-        metavar="B",
         help="bytes of uploads in progress per client (default: --max-request-bytes)",
     )
 
@@ -515,29 +579,38 @@ def _upstream_keys(args: argparse.Namespace) -> Any:
     return ClientKeys.from_files(args.upstream_server_key, own)
 
 
-def _broker(args: argparse.Namespace) -> int:
-    import zmq
-
-    from kcoral.broker.broker import (
-        NEGOTIATION_TIMEOUT_SECONDS,
-        ORPHAN_GRACE_SECONDS,
-        BrokerSettings,
-        install_event_loop_policy,
-        run_broker,
-    )
-    from kcoral.broker.target import TargetError
+def _access_refusal(service: str, check: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``check()``, or one line and EXIT_CONFIG for keys that do not fit or a listen beyond
+    loopback without them."""
     from kcoral.keys import KeyFileError
+    from kcoral.service.auth import ListenRefused
+
+    try:
+        return check(), None
+    except (KeyFileError, ListenRefused) as exc:
+        structlog.get_logger("kcoral.cli").error(f"{service}_cannot_start", error=str(exc))
+        return None, EXIT_CONFIG
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from kcoral.broker.broker import NEGOTIATION_TIMEOUT_SECONDS, Broker, BrokerSettings
+    from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
+    from kcoral.broker.target import TargetError
     from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
     from kcoral.service.auth import ListenRefused, check_listen
 
     log = structlog.get_logger("kcoral.cli")
-    try:
-        security, upstream_keys = _server_security(args), _upstream_keys(args)
-        # Checked again when the broker binds; here, before a run directory exists to clean up.
+
+    def access() -> tuple[Any, Any]:
+        security = _server_security(args)
+        # Checked again when the broker binds; here, before a run directory exists.
         check_listen(args.listen, secured=security is not None, insecure_listen_any=args.insecure_listen_any)
-    except (KeyFileError, ListenRefused) as exc:
-        log.error("broker_cannot_start", error=str(exc))
-        return EXIT_CONFIG
+        return security, _upstream_keys(args)
+
+    keys, failed = _access_refusal("broker", access)
+    if failed is not None:
+        return failed
+    security, upstream_keys = keys
     sandbox = args.sandbox
     if sandbox != "none":
         try:
@@ -586,39 +659,25 @@ def _broker(args: argparse.Namespace) -> int:
         max_upload_bytes=args.max_upload_bytes,
         max_upload_bytes_per_client=args.max_upload_bytes_per_client,
     )
-    install_event_loop_policy()
     # The CLI makes the temporary run directory, so that it goes away however the broker ends
     # (a port in use, a sandbox that cannot start).
     temporary_run_dir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="kcoral-"))
     settings = dataclasses.replace(settings, run_dir=args.run_dir or temporary_run_dir)
     try:
-        return asyncio.run(run_broker(settings))
-    except (TargetError, SandboxUnavailable, ListenRefused) as exc:
-        log.error("broker_cannot_start", error=str(exc))
-        return EXIT_CONFIG
-    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
-        return _cannot_listen("broker", exc)
-    except KeyboardInterrupt:
-        return EXIT_OK
+        return run_service("broker", lambda: Broker(settings), (TargetError, SandboxUnavailable, ListenRefused))
     finally:
         if temporary_run_dir is not None:
             shutil.rmtree(temporary_run_dir, ignore_errors=True)
 
 
 def _router(args: argparse.Namespace) -> int:
-    import zmq
-
-    from kcoral.broker.broker import install_event_loop_policy
-    from kcoral.broker.router import NODE_WAIT_SECONDS, RouterSettings, run_router
-    from kcoral.keys import KeyFileError
+    from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
+    from kcoral.router.router import NODE_WAIT_SECONDS, Router, RouterSettings
     from kcoral.service.auth import ListenRefused
 
-    log = structlog.get_logger("kcoral.cli")
-    try:
-        security = _server_security(args, nodes=True)
-    except KeyFileError as exc:
-        log.error("router_cannot_start", error=str(exc))
-        return EXIT_CONFIG
+    security, failed = _access_refusal("router", lambda: _server_security(args, nodes=True))
+    if failed is not None:
+        return failed
     settings = RouterSettings(
         listen=args.listen,
         nodes_listen=args.nodes_listen,
@@ -629,30 +688,9 @@ def _router(args: argparse.Namespace) -> int:
         security=security,
         insecure_listen_any=args.insecure_listen_any,
         max_queued_per_client=args.max_queued_per_client,
+        orphan_grace_seconds=args.orphan_grace or ORPHAN_GRACE_SECONDS,
     )
-    install_event_loop_policy()
-    try:
-        return asyncio.run(run_router(settings))
-    except ListenRefused as exc:
-        log.error("router_cannot_start", error=str(exc))
-        return EXIT_CONFIG
-    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
-        return _cannot_listen("router", exc)
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
-def _keys(args: argparse.Namespace) -> int:
-    from kcoral.keys import KeyFileError, generate_keypair
-
-    try:
-        public, secret = generate_keypair(args.directory, args.name)
-    except (KeyFileError, OSError) as exc:
-        print(f"kcoral keys: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    print(f"public key  {public}  (give it to the services, or to clients as --server-key)")
-    print(f"secret key  {secret}  (mode 0600; keep it on this machine)")
-    return EXIT_OK
+    return run_service("router", lambda: Router(settings), (ListenRefused,))
 
 
 def _cannot_listen(service: str, exc: Any) -> int:
@@ -668,6 +706,19 @@ def _cannot_listen(service: str, exc: Any) -> int:
         file=sys.stderr,
     )
     return EXIT_CONFIG
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from kcoral.keys import KeyFileError, generate_keypair
+
+    try:
+        public, secret = generate_keypair(args.directory, args.name)
+    except (KeyFileError, OSError) as exc:
+        print(f"kcoral keys: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"public key  {public}  (give it to the services, or to clients as --server-key)")
+    print(f"secret key  {secret}  (mode 0600; keep it on this machine)")
+    return EXIT_OK
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -700,8 +751,10 @@ def _status(args: argparse.Namespace) -> int:
     )
     print(f"gpus      {health.get('gpu_count')}  (fake: {health.get('fake_gpus', 0)})")
     for gpu in (health.get("target") or {}).get("gpus") or []:  # the indices of gpu_ids and leases
-        print(f"  gpu {gpu.get('index')}: {gpu.get('name')} pci={gpu.get('pci_bus_id')} "
-              f"node={gpu.get('device_node')} {gpu.get('uuid')}")
+        print(
+            f"  gpu {gpu.get('index')}: {gpu.get('name')} pci={gpu.get('pci_bus_id')} "
+            f"node={gpu.get('device_node')} {gpu.get('uuid')}"
+        )
     for gpu, lease in (health.get("leases") or {}).items():
         print(f"  lease {gpu}: holder={lease.get('holder')} waiters={len(lease.get('waiters') or [])}")
     if "workers" in health:  # a router has nodes instead of workers and a cache

@@ -152,16 +152,30 @@ def test_upload_budget_bounds_each_client_and_all() -> None:
     assert budget.reserve("r4", b"c", 10) is None
 
 
+@dataclass
+class InFlight:
+    client: bytes
+    running: bool
+
+
 def test_orphans_get_a_grace_and_are_forgiven_when_they_come_back() -> None:
     clock = Clock()
-    orphans: OrphanWatch[bytes] = OrphanWatch(5.0, clock=clock)
-    assert not orphans.lost(b"c")
-    clock.now += 4
-    assert not orphans.lost(b"c")
-    clock.now += 1
-    assert orphans.lost(b"c")
-    orphans.heard(b"c")
-    assert b"c" not in orphans and not orphans.lost(b"c")
+    orphans = OrphanWatch(5.0, clock=clock)
+    requests = [InFlight(b"gone", False), InFlight(b"gone", True), InFlight(b"here", False)]
+
+    def cancelled() -> list[tuple[bytes, bool]]:
+        return [(r.client, running) for r, running in orphans.to_cancel(requests, lambda r: r.running)]
+
+    assert orphans.gone([b"gone"]) == {b"gone": False}
+    assert cancelled() == [(b"gone", False)]  # waiting at once, running not yet
+    clock.now += 5
+    assert orphans.gone([b"gone"]) == {b"gone": True}
+    assert cancelled() == [(b"gone", False), (b"gone", True)]
+    orphans.gone([])  # it came back
+    assert cancelled() == []
+    clock.now += 10
+    orphans.gone([b"gone"])
+    assert cancelled() == [(b"gone", False)]  # a new grace
 
 
 @dataclass(eq=False)

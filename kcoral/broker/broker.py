@@ -8,15 +8,12 @@ run by the :class:`~kcoral.broker.supervisor.Supervisor`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import shutil
-import signal
 import socket as stdlib_socket
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +23,20 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
-from kcoral.broker.intake import OFF_LOOP_UPLOAD_BYTES, ProgramIntake
+from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
-from kcoral.broker.requests import Request, RequestQueue, Worker, until_no_requests
-from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
+from kcoral.broker.requests import Request, RequestQueue, Worker
+from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
-from kcoral.keys import ClientKeys
 from kcoral.service import auth
 from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
+from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
+from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
 
-NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blobs is dropped
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
 # A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
 # whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
@@ -47,87 +44,22 @@ WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the 
 # the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
 # when the worker exits is lost, RESULT included; only the flooding program's own answer.)
 CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
-MAX_REMEMBERED_EXITS = 10_000
-MAX_EARLY_READY = 1024
-EARLY_READY_SECONDS = 10.0
-SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
-# Fair share. Without --max-queued-per-client one client may fill this fraction of --max-queued:
-# four busy clients together can fill the queue, one alone leaves room for everyone else.
-CLIENT_QUEUE_SHARE = 4
-# How long a vanished client's running programs go on before they are cancelled: a short network
-# blip (the DEALER reconnects under the same identity) costs nothing, a gone client little GPU time.
-ORPHAN_GRACE_SECONDS = 10.0
-# HEALTH and TARGET per client: plenty for a status page or a load balancer (a poll every 100 ms
-# is 10/s), while a flood of them is answered `busy` at a fraction of the cost.
-STATUS_REQUESTS_PER_SECOND = 20.0
-STATUS_REQUESTS_BURST = 50.0
 # PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
 # rate are dropped before they are decoded; a program that floods them costs the loop little.
 PROGRESS_PER_SECOND = 50.0
 PROGRESS_BURST = 100.0
-STATUS_BUSY_MESSAGE = f"more than {STATUS_REQUESTS_PER_SECOND:g} HEALTH or TARGET requests per second from this client"
+MAX_REMEMBERED_EXITS = 10_000
+MAX_EARLY_READY = 1024
+EARLY_READY_SECONDS = 10.0
 
 
-@dataclass(frozen=True)
-class BrokerSettings:
-    """Everything ``kcoral broker`` can be told; the CLI fills it from flags."""
+class Broker:
+    """Serves programs from clients to workers on one host.
 
-    listen: str = "tcp://127.0.0.1:5555"
-    device: str = "auto"  # "gpu", "cpu" or "auto"
-    gpus: tuple[int, ...] | None = None  # None: every local GPU
-    fake_gpus: int = 0
-    workers_per_gpu: int = 1
-    workers: int = 2  # CPU workers where there are no GPUs
-    sandbox: str = "none"
-    sandbox_readonly_paths: tuple[Path, ...] = ()
-    max_programs_per_worker: int = 1
-    # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
-    # --cache-dir (or --run-dir) for a disk cache that survives a restart.
-    cache_dir: Path | None = None
-    cache_bytes: int = 1 << 30
-    cache_disk_bytes: int = 32 << 30
-    max_queued: int = 1024
-    queue_timeout_seconds: float = 3600.0
-    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
-    max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
-    # How long a program waits for a round of its missing blobs; it must cover their upload time.
-    negotiation_timeout_seconds: float = NEGOTIATION_TIMEOUT_SECONDS
-    # Blobs at least this large that are in the disk cache reach the worker as a path to map, not
-    # as a frame: no copy through the broker's memory and the ipc socket.
-    blob_path_min_bytes: int = 1 << 20
-    run_dir: Path | None = None
-    limits: dict[str, int] = field(default_factory=dict)
-    preload: str = "numpy,torch"
-    # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
-    upstream: str | None = None
-    node_id: str | None = None
-    # Access (kcoral/service/auth.py, kcoral/service/fairness.py). Without security the broker
-    # listens on loopback only, unless insecure_listen_any.
-    security: auth.ServerSecurity | None = None
-    insecure_listen_any: bool = False
-    upstream_keys: ClientKeys | None = None  # CURVE on the link to the router
-    max_queued_per_client: int | None = None  # None: max_queued // CLIENT_QUEUE_SHARE
-    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
-    # Bytes of uploads in progress (programs still negotiating their blobs); None: twice
-    # max_request_bytes in all, and max_request_bytes per client.
-    max_upload_bytes: int | None = None
-    max_upload_bytes_per_client: int | None = None
-
-    @property
-    def client_queue_limit(self) -> int:
-        if self.max_queued_per_client is not None:
-            return self.max_queued_per_client
-        return max(1, self.max_queued // CLIENT_QUEUE_SHARE)
-
-    @property
-    def upload_bounds(self) -> tuple[int, int]:
-        """(in all, per client) bytes of uploads in progress."""
-        per_client = self.max_upload_bytes_per_client or self.max_request_bytes
-        return self.max_upload_bytes or 2 * self.max_request_bytes, per_client
-
-
-class Broker(ProgramIntake):
-    """Serves programs from clients to workers on one host."""
+    It holds a :class:`~kcoral.service.shell.ServiceShell` (the client socket, receive loop,
+    replies, requests in flight, tasks and lifecycle) and a :class:`ProgramIntake` (EXECUTE and
+    BLOBS), and runs the workers' side itself: READY, leases, results and exits.
+    """
 
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
@@ -150,39 +82,68 @@ class Broker(ProgramIntake):
                 disk_bytes=settings.cache_disk_bytes,
             )
         )
-        self.requests: dict[str, Request] = {}
+        # One frame larger than a client may have in uploads at once could never be accepted, and
+        # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
+        frame_limit = min(settings.max_request_bytes, settings.upload_bounds[1])
+        self.shell: ServiceShell[Request] = ServiceShell(
+            "broker",
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=frame_limit,
+                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+            ),
+            fail_request=self._finish_error,
+        )
+        self.zap = (
+            auth.ZapAuthenticator(self.shell.context, settings.security.authorized) if settings.security else None
+        )
+        self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()
-        self.workers: dict[bytes, Worker] = {}
-        self.idle: dict[bytes, Worker] = {}
-        self.exited: dict[bytes, WorkerExit] = {}
-        self.draining = False
-        self.stopped = asyncio.Event()
-        self.context = zmq.asyncio.Context()
-        self.frontend = router_socket(self.context)
-        self.backend = router_socket(self.context)
-        self.frontend_out = ImmediateSender(self.frontend)
-        self.backend_out = ImmediateSender(self.backend)
-        self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
-        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
-        # READYs that arrived before their zygote's "forked" event was read.
-        self.early_ready: dict[bytes, dict[str, Any]] = {}
-        self.completed = 0
-        self.failed = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
-        self.upstream: UpstreamLink | None = None
-        # Access and fair share.
-        self.zap: auth.ZapAuthenticator | None = None
-        self.trusted_owners: set[bytes] = set()  # the router relay: the router applies the limits
-        self.uploads: UploadBudget[bytes] = UploadBudget(*settings.upload_bounds)
-        self.orphans: OrphanWatch[bytes] = OrphanWatch(settings.orphan_grace_seconds)
-        self.status_limit: RateLimit[bytes] = RateLimit(STATUS_REQUESTS_PER_SECOND, STATUS_REQUESTS_BURST)
+        self.trusted_owners: set[bytes] = set()  # the router relay: the router applies the shares
+        self.orphans = OrphanWatch(settings.orphan_grace_seconds)
         self.progress_limit: RateLimit[bytes] = RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST)
         # What HEALTH and TARGET say that never changes, found once (versions() alone took about
         # 1.6 ms of the loop per HEALTH).
         self.hostname = stdlib_socket.gethostname()
         self.versions = versions()
         self.target_wire = self.target.to_wire()
+        self.intake = ProgramIntake(
+            IntakeSettings(
+                gpu_count=len(self.gpu_ids),
+                max_queued=settings.max_queued,
+                max_request_bytes=settings.max_request_bytes,
+                negotiation_timeout_seconds=settings.negotiation_timeout_seconds,
+                blob_path_min_bytes=settings.blob_path_min_bytes,
+                sandboxed=settings.sandbox == "bubblewrap",
+                max_queued_per_client=settings.client_queue_limit,
+            ),
+            blobs=self.blobs,
+            requests=self.requests,
+            tasks=self.shell.tasks,
+            port=self,
+            uploads=UploadBudget(*settings.upload_bounds),
+            trusted=self.trusted_owners,
+        )
+        self.shell.handlers.update(
+            {
+                protocol.EXECUTE: self.intake.on_execute,
+                protocol.BLOBS: self.intake.on_blobs,
+                protocol.CANCEL: self._on_cancel,
+                protocol.HEALTH: self.shell.answer(self.health),
+                protocol.TARGET: self.shell.answer(lambda: self.target_wire),
+            }
+        )
+        self.workers: dict[bytes, Worker] = {}
+        self.idle: dict[bytes, Worker] = {}
+        self.exited: dict[bytes, WorkerExit] = {}
+        self.backend = router_socket(self.shell.context)
+        self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
+        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
+        # READYs that arrived before their zygote's "forked" event was read.
+        self.early_ready: dict[bytes, dict[str, Any]] = {}
+        self.completed = 0
+        self.failed = 0
+        self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
     # --- setup ---
@@ -215,37 +176,29 @@ class Broker(ProgramIntake):
         return slots
 
     async def serve(self) -> int:
-        """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
-        (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
-        security = self.settings.security
+        """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
+        installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
         auth.check_listen(
-            self.settings.listen, secured=security is not None, insecure_listen_any=self.settings.insecure_listen_any
+            self.settings.listen,
+            secured=self.settings.security is not None,
+            insecure_listen_any=self.settings.insecure_listen_any,
         )
-        if security is not None:
-            self.zap = auth.ZapAuthenticator(self.context, security.authorized)
-            self.zap.start()
-            security.apply(self.frontend, auth.CLIENTS_DOMAIN)
-        auth.watch_peers(self.frontend)
-        # One frame larger than a client may have in uploads at once could never be accepted, and
-        # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
-        frame_limit = min(self.settings.max_request_bytes, self.settings.upload_bounds[1])
-        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(frame_limit, protocol.MAX_BODY_BYTES))
-        self.frontend.bind(self.settings.listen)
+        if self.zap is not None:
+            self.zap.start()  # before the client socket binds: no handshake goes unchecked
+        return await self.shell.serve(
+            self._open, self._release, lambda: {"completed": self.completed, "failed": self.failed}
+        )
+
+    async def _open(self) -> None:
+        (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
         self.backend.bind(self.worker_endpoint)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.drain)
         await self.supervisor.start()
-        self._tasks = [
-            asyncio.create_task(self._client_loop()),
-            asyncio.create_task(self._worker_loop()),
-            asyncio.create_task(self._heartbeat_loop()),
-        ]
+        self.shell.spawn(receive_forever(self.backend, self._handle_worker, "worker_message_failed"), name="workers")
+        self.shell.spawn(self._heartbeat_loop(), name="heartbeats")
         if self.settings.upstream:
             node_id = self.settings.node_id or default_node_id(self.settings.listen)
             self.upstream = UpstreamLink(
-                context=self.context,
+                context=self.shell.context,
                 upstream=self.settings.upstream,
                 node_id=node_id,
                 health=self.health,
@@ -253,7 +206,7 @@ class Broker(ProgramIntake):
             )
             self.trusted_owners.add(self.upstream.local_identity)
             # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
-            self.frontend.bind(self.upstream.local_endpoint)
+            self.shell.clients.bind(self.upstream.local_endpoint)
             self.upstream.start()
         log.info(
             "broker_listening",
@@ -263,125 +216,39 @@ class Broker(ProgramIntake):
             sandbox=self.settings.sandbox,
             instance_id=self.instance_id,
         )
-        await self.stopped.wait()
-        await self.close()
-        return 0
 
-    def drain(self) -> None:
-        """Stop taking programs; finish those in flight, then stop."""
-        if self.draining:
-            return
-        self.draining = True
-        log.info("broker_draining", in_flight=len(self.requests))
-        asyncio.get_running_loop().create_task(self._finish_draining())
-
-    async def _finish_draining(self) -> None:
-        await until_no_requests(self.requests, SHUTDOWN_DRAIN_SECONDS)
-        self.stopped.set()
-
-    async def close(self) -> None:
+    async def _release(self) -> None:
         if self.upstream is not None:
             await self.upstream.close()  # its sockets must be closed before the context ends
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         await self.supervisor.stop()
         if self.zap is not None:
             await self.zap.close()
-        self.frontend.close(linger=0)
         self.backend.close(linger=0)
-        self.context.term()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        log.info("broker_stopped", completed=self.completed, failed=self.failed)
 
-    # --- clients ---
+    @property
+    def draining(self) -> bool:
+        return self.shell.draining
 
-    async def _client_loop(self) -> None:
-        await receive_forever(self.frontend, self._handle_client, "client_message_failed")
+    # --- clients (EXECUTE and BLOBS are the intake's) ---
 
-    def _handle_client(self, frames: list[zmq.Frame]) -> None:
-        client = bytes(frames[0].buffer)
-        owner = auth.peer_identity(frames[-1], client)
-        try:
-            command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
-        except protocol.WireError as exc:
-            log.warning("bad_client_message", error=str(exc), frames=len(frames) - 1)
-            self._answer_unreadable(client, frames, exc)
+    def _on_cancel(self, message: ClientMessage) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None:
             return
-        request_id = body.get("request_id")
-        try:
-            request_id = protocol.check_id(request_id, "request_id")
-        except protocol.WireError as exc:
-            log.warning("bad_client_message", error=str(exc), command=command.hex())
-            return
-        try:
-            self._dispatch_command(client, command, request_id, body, data, owner)
-        except Exception as exc:
-            self._fail_internal(client, request_id, command, exc)
-
-    def _fail_internal(self, client: bytes, request_id: str, command: bytes, exc: Exception) -> None:
-        """A bug must not leave a request in limbo with its client waiting: answer it."""
-        log.exception("client_command_failed", request_id=request_id, command=command.hex())
-        request = self.requests.get(request_id)
-        if request is not None:
-            self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
-        else:
-            self._reply_error(client, request_id, "engine", f"internal error in the broker: {exc!r}")
-
-    def _answer_unreadable(self, client: bytes, frames: list[zmq.Frame], exc: protocol.WireError) -> None:
-        """Answer a message the broker cannot read, where its request id can still be found, so
-        its sender is told why instead of waiting."""
-        if len(frames) < 4 or bytes(frames[1].buffer) != protocol.VERSION:
-            return
-        try:
-            request_id = protocol.peek_request_id(frames[3].buffer)
-        except protocol.WireError:
-            return
-        if request_id not in self.requests:
-            self._reply_error(client, request_id, "parse", f"unreadable message: {exc}")
-
-    def _dispatch_command(
-        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any], owner: bytes
-    ) -> None:
-        if command in (protocol.HEALTH, protocol.TARGET) and not self.status_limit.allow(owner):
-            # Answered, so an honest client polling too fast knows why; not logged, so that a flood
-            # costs the loop only this reply (HEALTH itself is cheap too: see health()).
-            body = {"request_id": request_id, "ok": False, "error": protocol.error_body("busy", STATUS_BUSY_MESSAGE)}
-            self._send_client(client, protocol.FINAL, body)
-        elif command in (protocol.EXECUTE, protocol.BLOBS) and sum(len(f) for f in data) >= OFF_LOOP_UPLOAD_BYTES:
-            # Hashing and writing a large upload takes seconds: do it in a thread, so heartbeats,
-            # leases and other clients are served meanwhile.
-            task = asyncio.get_running_loop().create_task(
-                self._prepare_then(client, command, request_id, body, data, owner)
-            )
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        elif command == protocol.EXECUTE:
-            self._on_execute(client, request_id, body, data, owner=owner)
-        elif command == protocol.BLOBS:
-            self._on_blobs(client, request_id, body, data)
-        elif command == protocol.CANCEL:
-            self._on_cancel(client, request_id)
-        elif command == protocol.HEALTH:
-            self._reply_ok(client, request_id, self.health())
-        elif command == protocol.TARGET:
-            self._reply_ok(client, request_id, self.target_wire)
-        else:
-            self._reply_error(client, request_id, "parse", f"unknown command {command.hex()}")
-
-    def _on_cancel(self, client: bytes, request_id: str) -> None:
-        request = self.requests.get(request_id)
-        if request is None or request.client != client:
-            return
-        log.info("request_cancelled", request_id=request_id, state=request.state)
+        log.info("request_cancelled", request_id=request.id, state=request.state)
         self._finish_error(request, "cancelled", "the client cancelled the program")
 
     # --- dispatch ---
 
+    def enqueue(self, request: Request) -> None:
+        self.queue.push(request)
+        self._dispatch()
+
     def _dispatch(self) -> None:
+        if self.shell.stopping:
+            return
         while self.idle:
             request = self.queue.pop()
             if request is None:
@@ -404,7 +271,7 @@ class Broker(ProgramIntake):
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program."""
         load = {g: 0 for g in self.gpu_ids}
-        for request in self.requests.values():
+        for request in self.requests:
             if request.state == "running":
                 for gpu in request.gpu_ids:
                     load[gpu] += 1
@@ -423,12 +290,12 @@ class Broker(ProgramIntake):
 
     def _start(self, request: Request, worker: Worker) -> None:
         try:
-            sent, frames, paths = self._program_blobs(request)
+            sent, frames, paths = self.intake.worker_blobs(request)
         except KeyError:
             # A disk copy turned out corrupt or unreadable and was dropped: the client sends it again.
             log.warning("request_blob_lost", request_id=request.id)
             self.idle[worker.identity] = worker
-            self._negotiate(request, progressed=True)
+            self.intake.negotiate(request, progressed=True)
             return
         if request.gpu_count and worker.gpu_view is not None:
             request.gpu_ids = worker.gpu_view  # a reused worker sees these GPUs and no others
@@ -452,10 +319,7 @@ class Broker(ProgramIntake):
         }
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
-            self.backend_out.send([worker.identity, *message])
-            # The socket's file descriptor is edge-triggered: a send through the shadow can take
-            # the edge that announced incoming messages, and the asyncio recv would then sleep
-            # until the next one (seconds, with 8 programs in flight). Re-check its events now.
+            send_now(self.backend, [worker.identity, *message])
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -475,11 +339,7 @@ class Broker(ProgramIntake):
             blob_frames=len(frames),
             blob_paths=len(paths),
         )
-        self._send_client(
-            request.client,
-            protocol.PARTIAL,
-            {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)},
-        )
+        self.tell(request, {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)})
 
     def _on_timeout(self, request: Request) -> None:
         if self.requests.get(request.id) is not request:
@@ -574,7 +434,7 @@ class Broker(ProgramIntake):
             self.leases.release(request.id)
             return
         try:
-            self.backend_out.send([worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+            send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
             self.leases.release(request.id)
 
@@ -662,7 +522,7 @@ class Broker(ProgramIntake):
 
     def _finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
         """Answer a request once and forget it."""
-        if self.requests.pop(request.id, None) is None:
+        if self.requests.pop(request.id) is None:
             return
         if request.timer is not None:
             request.timer.cancel()
@@ -670,7 +530,7 @@ class Broker(ProgramIntake):
             request.lease_task.cancel()
         self.leases.reclaim(request.id)
         self.blobs.unpin_owner(request.id)
-        self.uploads.release(request.id)
+        self.intake.uploads.release(request.id)
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
@@ -679,7 +539,7 @@ class Broker(ProgramIntake):
         else:
             self.failed += 1
         request.state = "done"
-        self._send_client(request.client, protocol.FINAL, body, *frames)
+        self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
             "request_finished",
             request_id=request.id,
@@ -699,22 +559,17 @@ class Broker(ProgramIntake):
             self.supervisor.kill_worker(worker.slot)
         self._dispatch()
 
-    def _reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
-        self._send_client(client, protocol.FINAL, protocol.final_body(request_id, result))
+    def fail(self, request: Request, kind: str, message: str) -> None:
+        self._finish_error(request, kind, message)
 
-    def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
-        log.info("request_refused", request_id=request_id, kind=kind, reason=message)
-        self._send_client(client, protocol.FINAL, protocol.final_error_body(request_id, kind, message))
+    def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
+        self.shell.refuse(client, request_id, kind, message)
 
-    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> bool:
-        """Send to a client; False when its connection is gone (ROUTER_MANDATORY)."""
-        try:
-            self.frontend_out.send([client, *protocol.message(command, body, *frames)])
-        except zmq.ZMQError as exc:
-            # Gone (EHOSTUNREACH), or not reading (EAGAIN: its queue is full); nobody reads this one.
-            log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))
-            return exc.errno != zmq.EHOSTUNREACH
-        return True
+    def tell(self, request: Request, body: dict[str, Any]) -> None:
+        self.shell.reply(request.client, protocol.PARTIAL, body)
+
+    def fail_internal(self, message: ClientMessage, exc: Exception) -> None:
+        self.shell.fail_internal(message, exc)
 
     async def _heartbeat_loop(self) -> None:
         interval = protocol.HEARTBEAT_INTERVAL_SECONDS
@@ -724,41 +579,29 @@ class Broker(ProgramIntake):
             # interval more: what a client measures is the gap between two beats.
             next_beat = max(next_beat + interval, time.monotonic())
             await asyncio.sleep(next_beat - time.monotonic())
-            for client in {r.client for r in self.requests.values()}:
-                if self._send_client(client, protocol.HEARTBEAT, {}):
-                    self.orphans.heard(client)
-                else:
-                    self._cancel_orphans(client)
+            self.orphans.gone(self.shell.heartbeat_clients())
+            self._cancel_orphans()
             self._expire_queued()
 
-    def _cancel_orphans(self, client: bytes) -> None:
-        """A client's connection is gone (it disconnected, or libzmq's heartbeat found it dead):
-        nobody will read its answers. Its waiting programs end at once, its running ones once
-        the grace is over without the client coming back."""
-        grace_over = self.orphans.lost(client)
-        orphans = [r for r in self.requests.values() if r.client == client]
-        ending = [r for r in orphans if grace_over or r.state != "running"]
-        if ending:
-            log.warning(
-                "client_gone_cancelling", client=client.hex(), requests=len(ending), running=len(orphans) - len(ending)
-            )
-        for request in ending:
+    def _cancel_orphans(self) -> None:
+        """Programs whose client's connection is gone: nobody will read their answers. Waiting
+        ones end at once, running ones once the grace is over (kcoral.service.fairness)."""
+        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.state == "running"):
+            log.warning("client_gone_cancelling", request_id=request.id, running=running)
             self._finish_error(request, "cancelled", "the client disconnected")
-        if len(ending) == len(orphans):
-            self.orphans.forget(client)
 
     def _expire_queued(self) -> None:
         """A program never waits in the queue for ever: past the queue timeout it is refused."""
         now = time.monotonic()
         limit = self.settings.queue_timeout_seconds
-        for request in [r for r in self.requests.values() if r.state == "queued" and now - r.queued_at > limit]:
+        for request in [r for r in self.requests if r.state == "queued" and now - r.queued_at > limit]:
             log.warning("request_queue_timeout", request_id=request.id, waited_s=round(now - request.queued_at, 1))
             self._finish_error(request, "timeout", f"the program waited {limit:g} s in the queue without a free worker")
 
     # --- status ---
 
     def health(self) -> dict[str, Any]:
-        running = sum(1 for r in self.requests.values() if r.state == "running")
+        running = sum(1 for r in self.requests if r.state == "running")
         waiting = len(self.requests) - running
         return {
             "status": "draining" if self.draining else "ok",
@@ -788,18 +631,4 @@ class Broker(ProgramIntake):
         }
 
 
-async def run_broker(settings: BrokerSettings) -> int:
-    broker = Broker(settings)
-    return await broker.serve()
-
-
-def install_event_loop_policy() -> None:
-    """Use uvloop where it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
-__all__ = ["Broker", "BrokerSettings", "install_event_loop_policy", "run_broker"]
+__all__ = ["NEGOTIATION_TIMEOUT_SECONDS", "Broker", "BrokerSettings"]

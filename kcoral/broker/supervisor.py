@@ -20,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
 
 log = structlog.get_logger("kcoral.supervisor")
@@ -125,11 +126,7 @@ class Supervisor:
                     state.process.kill()
                     await state.process.wait()
         await self._collect_orphans()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [
@@ -181,6 +178,9 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 env=spec.env if spec.env is not None else dict(os.environ),
                 limit=MAX_EVENT_LINE_BYTES,
+                # Its own session: a terminal's Ctrl-C goes to the foreground process group, and
+                # must reach the broker alone (it drains), not bwrap or the zygote under it.
+                start_new_session=True,
             )
         except OSError as exc:
             state.last_error = f"cannot start the zygote: {exc}"

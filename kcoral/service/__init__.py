@@ -1,1 +1,2 @@
-"""What the broker and the router share as services: sockets, authentication, fair share."""
+"""What every KCoral service (the host broker, the router) is built on: the client-facing shell,
+its sockets and its tasks, who may connect (``auth``), and each client's fair share (``fairness``)."""

@@ -85,15 +85,24 @@ class ServerSecurity:
             {domain: keys.load_authorized_keys(directory) for domain, directory in authorized.items()},
         )
 
-    def apply(self, sock: zmq.Socket[Any], domain: str) -> None:
-        """Make ``sock`` a CURVE server whose clients are checked against ``domain``'s keys (call
-        before it binds). inproc connections skip the handshake: only this process reaches them."""
+    def socket_options(self, domain: str) -> dict[int, int | bytes]:
+        """What makes a socket a CURVE server whose clients are checked against ``domain``'s keys
+        (set before it binds). inproc connections skip the handshake: only this process reaches
+        them. ZAP_ENFORCE_DOMAIN: without a ZAP handler libzmq would let every key in."""
         if domain not in self.authorized:
             raise ValueError(f"no authorized keys for the ZAP domain {domain!r}")
-        sock.curve_server = True
-        sock.curve_secretkey = self.keypair.secret
-        sock.curve_publickey = self.keypair.public
-        sock.zap_domain = domain.encode()
+        return {
+            zmq.CURVE_SERVER: 1,
+            zmq.CURVE_SECRETKEY: self.keypair.secret,
+            zmq.CURVE_PUBLICKEY: self.keypair.public,
+            zmq.ZAP_DOMAIN: domain.encode(),
+            zmq.ZAP_ENFORCE_DOMAIN: 1,
+        }
+
+    def apply(self, sock: zmq.Socket[Any], domain: str) -> None:
+        """Set :meth:`socket_options` on ``sock`` (before it binds)."""
+        for option, value in self.socket_options(domain).items():
+            sock.set(option, value)
 
 
 def check_listen(endpoint: str, *, secured: bool, insecure_listen_any: bool, flag: str = "--listen") -> None:
@@ -117,12 +126,15 @@ def check_listen(endpoint: str, *, secured: bool, insecure_listen_any: bool, fla
     )
 
 
-def watch_peers(sock: zmq.Socket[Any]) -> None:
-    """Have libzmq ping each peer of ``sock`` (ZMTP heartbeats) and drop a connection that stays
-    silent, so that a client whose host vanished without closing TCP shows up as gone (a send to
-    it fails with EHOSTUNREACH) within PEER_TIMEOUT_MS, like one that disconnected."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_PING_INTERVAL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_TIMEOUT_MS)
+def client_socket_options(security: ServerSecurity | None, domain: str) -> dict[int, int | bytes]:
+    """Options of a service's client socket: CURVE (with ``security``) and libzmq's pings of each
+    peer (ZMTP heartbeats), which drop a connection that stays silent, so that a client whose host
+    vanished without closing TCP shows up as gone (a send to it fails with EHOSTUNREACH) within
+    PEER_TIMEOUT_MS, like one that disconnected."""
+    options: dict[int, int | bytes] = {zmq.HEARTBEAT_IVL: PEER_PING_INTERVAL_MS, zmq.HEARTBEAT_TIMEOUT: PEER_TIMEOUT_MS}
+    if security is not None:
+        options.update(security.socket_options(domain))
+    return options
 
 
 def peer_identity(frame: zmq.Frame, routing_id: bytes) -> bytes:
@@ -217,7 +229,8 @@ class ZapAuthenticator:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Bind the ZAP endpoint; call before any CURVE socket of the context binds or connects."""
+        """Bind the ZAP endpoint and answer on the running loop; call before any CURVE socket of
+        the context binds or connects."""
         sock = self.context.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(ZAP_ENDPOINT)
@@ -275,7 +288,7 @@ __all__ = [
     "ServerSecurity",
     "ZapAuthenticator",
     "check_listen",
+    "client_socket_options",
     "decide",
     "peer_identity",
-    "watch_peers",
 ]

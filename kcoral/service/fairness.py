@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -125,28 +125,42 @@ class UploadBudget(Generic[K]):
             del self._by_client[client]
 
 
-class OrphanWatch(Generic[K]):
-    """Clients (connections) found unreachable, and since when: their queued programs are
-    cancelled at once, their running ones once ``grace_seconds`` have passed without the
+class Orphan(Protocol):
+    @property
+    def client(self) -> bytes: ...
+
+
+R = TypeVar("R", bound=Orphan)
+
+
+class OrphanWatch:
+    """Clients (connections) found gone at a heartbeat, and since when: their waiting programs
+    are cancelled at once, their running ones once ``grace_seconds`` have passed without the
     connection coming back."""
 
     def __init__(self, grace_seconds: float, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.grace_seconds = grace_seconds
         self.clock = clock
-        self._lost_at: dict[K, float] = {}
+        self._lost_at: dict[bytes, float] = {}
 
-    def heard(self, client: K) -> None:
-        """The client is reachable (again): nothing of it is an orphan."""
-        self._lost_at.pop(client, None)
-
-    def lost(self, client: K) -> bool:
-        """Record that ``client`` is unreachable now; True once its grace is over."""
+    def gone(self, clients: Iterable[bytes]) -> dict[bytes, bool]:
+        """The clients found gone at this heartbeat, each with whether its grace is over; any
+        client not among them is reachable again (or has nothing in flight) and is forgotten."""
         now = self.clock()
-        since = self._lost_at.setdefault(client, now)
-        return now - since >= self.grace_seconds
+        lost = {client: self._lost_at.get(client, now) for client in clients}
+        self._lost_at = lost
+        return {client: now - since >= self.grace_seconds for client, since in lost.items()}
 
-    def forget(self, client: K) -> None:
-        self._lost_at.pop(client, None)
-
-    def __contains__(self, client: object) -> bool:
-        return client in self._lost_at
+    def to_cancel(self, requests: Iterable[R], started: Callable[[R], bool]) -> list[tuple[R, bool]]:
+        """Of ``requests``, those of gone clients to cancel now (with whether each had started),
+        after :meth:`gone` was told who is gone."""
+        now = self.clock()
+        ending = []
+        for request in requests:
+            since = self._lost_at.get(request.client)
+            if since is None:
+                continue
+            running = started(request)
+            if not running or now - since >= self.grace_seconds:
+                ending.append((request, running))
+        return ending

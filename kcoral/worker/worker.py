@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from kcoral import protocol
+from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, processes
 from kcoral.worker.capture import OutputCapture
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
@@ -102,6 +103,10 @@ def execute_program(
         sys.path.insert(0, str(run_dir / "work"))
         if refusal is None and confinement.confined_to() is None:
             refusal = cuda_view_mismatch(gpu_ids)
+        if gpu_ids and refusal is None:
+            # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
+            # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
+            arm_timer()
         with capture:
             error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
