@@ -30,6 +30,7 @@ from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
+from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.service import auth
 from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
@@ -85,14 +86,17 @@ class Broker:
         # One frame larger than a client may have in uploads at once could never be accepted, and
         # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
         frame_limit = min(settings.max_request_bytes, settings.upload_bounds[1])
+        self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
             ShellSettings(
                 listen=settings.listen,
                 max_message_bytes=frame_limit,
                 socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+                metrics_listen=settings.metrics_listen,
             ),
             fail_request=self._finish_error,
+            metrics=self.metrics,
         )
         self.zap = (
             auth.ZapAuthenticator(self.shell.context, settings.security.authorized) if settings.security else None
@@ -141,8 +145,6 @@ class Broker:
         self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
         # READYs that arrived before their zygote's "forked" event was read.
         self.early_ready: dict[bytes, dict[str, Any]] = {}
-        self.completed = 0
-        self.failed = 0
         self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
@@ -185,9 +187,7 @@ class Broker:
         )
         if self.zap is not None:
             self.zap.start()  # before the client socket binds: no handshake goes unchecked
-        return await self.shell.serve(
-            self._open, self._release, lambda: {"completed": self.completed, "failed": self.failed}
-        )
+        return await self.shell.serve(self._open, self._release, self.metrics.counters)
 
     async def _open(self) -> None:
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
@@ -385,10 +385,20 @@ class Broker:
         elif command == protocol.RELEASE:
             self.leases.release(request.id)
         elif command == protocol.PROGRESS:
-            index = body.get("index")
-            request.instruction_index = index if isinstance(index, int) else None
+            self._on_progress(request, body)
         elif command == protocol.RESULT:
             self._on_result(request, worker, body, data)
+
+    def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
+        """The instruction now running, or a piece of the program's output, which goes on to the
+        client as PARTIAL ``output`` (a client shows it live; the result repeats all of it)."""
+        index, stream, offset, text = body.get("index"), body.get("stream"), body.get("offset"), body.get("text")
+        if isinstance(index, int):
+            request.instruction_index = index
+        elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
+            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
+                piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
+                self.tell(request, piece)
 
     def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
         slot = body.get("slot")
@@ -534,10 +544,13 @@ class Broker:
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
-        if body.get("ok") and result.get("status") == "COMPLETED":
-            self.completed += 1
-        else:
-            self.failed += 1
+        now = time.monotonic()
+        ran = request.started_at and request.queued_at
+        self.metrics.program_finished(
+            body,
+            end_to_end_seconds=now - request.received_at,
+            queue_seconds=(request.started_at - request.queued_at) if ran else None,
+        )
         request.state = "done"
         self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
@@ -600,7 +613,20 @@ class Broker:
 
     # --- status ---
 
+    def _program_rows(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": r.id,
+                "client": r.client.decode(errors="replace"),
+                "state": r.state,
+                "age_s": round(now - r.received_at, 3),
+                "gpu_ids": list(r.gpu_ids),
+            }
+            for r in self.requests
+        ]
+
     def health(self) -> dict[str, Any]:
+        now = time.monotonic()
         running = sum(1 for r in self.requests if r.state == "running")
         waiting = len(self.requests) - running
         return {
@@ -624,7 +650,8 @@ class Broker:
             },
             "leases": self.leases.snapshot(),
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
-            "counters": {"completed": self.completed, "failed": self.failed},
+            "counters": self.metrics.counters(),
+            **programs_in_flight(self._program_rows(now)),
             "sandbox": self.settings.sandbox,
             "target": self.target_wire,
             "versions": self.versions,

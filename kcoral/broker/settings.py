@@ -72,6 +72,8 @@ class BrokerSettings:
         """(in all, per client) bytes of uploads in progress."""
         per_client = self.max_upload_bytes_per_client or self.max_request_bytes
         return self.max_upload_bytes or 2 * self.max_request_bytes, per_client
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 def client_queue_limit(max_queued: int, max_queued_per_client: int | None) -> int:

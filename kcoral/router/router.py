@@ -56,6 +56,7 @@ from kcoral import protocol
 from kcoral.broker.requests import RequestQueue
 from kcoral.broker.settings import ORPHAN_GRACE_SECONDS, client_queue_limit
 from kcoral.broker.target import versions
+from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.router.nodes import (
     Node,
     RouterRequest,
@@ -100,6 +101,8 @@ class RouterSettings:
     insecure_listen_any: bool = False
     max_queued_per_client: int | None = None  # None: a fair fraction of max_queued, as the broker's
     orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 class Router:
@@ -109,14 +112,17 @@ class Router:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex[:12]
         self.started_at = time.time()
+        self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
             "router",
             ShellSettings(
                 listen=settings.listen,
                 max_message_bytes=settings.max_request_bytes,
                 socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+                metrics_listen=settings.metrics_listen,
             ),
             fail_request=self._finish_error,
+            metrics=self.metrics,
         )
         security = settings.security
         self.zap = auth.ZapAuthenticator(self.shell.context, security.authorized) if security is not None else None
@@ -181,8 +187,8 @@ class Router:
         if self.zap is not None:
             await self.zap.close()
 
-    def _counters(self) -> dict[str, int]:
-        return {**self.counters, "refused": self.shell.refused}
+    def _counters(self) -> dict[str, Any]:
+        return {**self.metrics.counters(), **self.counters, "refused": self.shell.refused}
 
     # --- clients ---
 
@@ -334,9 +340,15 @@ class Router:
         request = node.requests.get(request_id)
         if request is None:
             return  # the answer to a request already failed (node_lost) or cancelled here
-        if body.get("state") == "queued":
+        state = body.get("state")
+        if state == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
+        if state in ("queued", "running"):
+            request.state = state
+            gpu_ids = body.get("gpu_ids")
+            if isinstance(gpu_ids, list):
+                request.gpu_ids = tuple(g for g in gpu_ids if isinstance(g, int))
         self.shell.send(request.client, message, request_id)
 
     def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
@@ -392,6 +404,7 @@ class Router:
             node.reachable = False  # not chosen again until it is heard from
             return False
         request.node = node
+        request.state = "dispatched"
         request.frames = None  # the node has the program and its attached blobs now
         node.requests[request.id] = request
         node.dispatched += 1
@@ -415,8 +428,17 @@ class Router:
         else:
             self.queue.remove(request)
         self.counters["finished"] += 1
+        self._count_finished(request, message)
         self.shell.send(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
+
+    def _count_finished(self, request: RouterRequest, message: list[Any]) -> None:
+        try:
+            body = message[2]
+            final = protocol.unpack_map(body.buffer if isinstance(body, zmq.Frame) else body)
+        except (IndexError, protocol.WireError):
+            final = {"ok": False, "error": {"kind": "engine"}}
+        self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
         log.info("request_failed", request_id=request.id, kind=kind, reason=text)
@@ -479,6 +501,19 @@ class Router:
 
     # --- status ---
 
+    def _program_rows(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": r.id,
+                "client": r.client.decode(errors="replace"),
+                "state": r.state,
+                "age_s": round(now - r.received_at, 3),
+                "gpu_ids": list(r.gpu_ids),
+                "node": r.node.node_id if r.node is not None else None,
+            }
+            for r in self.requests
+        ]
+
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
         live = list(self.nodes.values())
@@ -499,6 +534,7 @@ class Router:
                 "queued_at_router": queued,
             },
             "counters": self._counters(),
+            **programs_in_flight(self._program_rows(now)),
             "target": self.target(),
             "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],
