@@ -437,7 +437,7 @@ class Router:
             body = message[2]
             final = protocol.unpack_map(body.buffer if isinstance(body, zmq.Frame) else body)
         except (IndexError, protocol.WireError):
-            final = {"ok": False, "error": {"kind": "engine"}}
+            final = protocol.final_error_body(request.id, "engine", "the node's FINAL could not be read")
         self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
