@@ -95,6 +95,8 @@ class Event:
 
 @pytest.fixture
 def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
+    # The process's armed state, taken before the stand-ins: other tests verify against it.
+    base = trust.arm(use_cupti=False)
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "current_device", lambda: "cpu")
@@ -116,7 +118,7 @@ def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
         armed_at=time.time(),
         in_worker=False,
     )
-    base = trust.arm(use_cupti=False)  # the real modules and snapshot, taken with the stand-ins in place
+    # The simulated state's own snapshot is taken with the stand-ins in place.
     state = dataclasses.replace(state, modules=base.modules, snapshot=trust.take_snapshot(base.modules, tracer))  # type: ignore[arg-type]
     state = dataclasses.replace(state, threads_at_arm=base.threads_at_arm)
     monkeypatch.setattr(trust, "_ARMED", state)
