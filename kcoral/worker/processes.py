@@ -48,6 +48,7 @@ LIMIT_FLAGS = {
     "processes": "--max-processes",
     "file_size_bytes": "--max-file-bytes",
     "open_files": "--max-open-files",
+    "workspace_bytes": "--max-workspace-bytes",
 }
 # Per-process rlimits; memory and processes are also watched over the whole tree.
 RLIMITS = {
@@ -276,7 +277,7 @@ class ProgressBoard:
         return None if index < 0 else int(index)
 
 
-BOARD: ProgressBoard | None = None  # made by the zygote; a forked worker inherits it
+BOARD: ProgressBoard | None = None  # made by the zygote for each worker, set in the worker
 
 
 def note_progress(index: int | None) -> None:
@@ -361,6 +362,7 @@ def describe_limit(name: str, value: int) -> str:
         "processes": "process limit",
         "file_size_bytes": "file size limit",
         "open_files": "open file limit",
+        "workspace_bytes": "workspace quota",
     }[name]
     amount = format_bytes(value) if name.endswith("_bytes") else str(value)
     return f"the worker's {what} of {amount} ({LIMIT_FLAGS[name]})"

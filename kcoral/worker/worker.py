@@ -29,6 +29,15 @@ from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
 # How long a worker waits for the broker before it takes the broker for gone.
 BROKER_SILENCE_SECONDS = 3600.0
+# Bounds on the text of an error in a RESULT: an exception's message can be any size.
+MAX_ERROR_MESSAGE_BYTES = 64 << 10
+MAX_TRACEBACK_BYTES = 1 << 20
+# The RESULT body stays this far under protocol.MAX_BODY_BYTES: the broker adds a few fields when
+# it turns the body into the client's FINAL.
+RESULT_BODY_MARGIN_BYTES = 64 << 10
+OUTPUT_ALWAYS_FITS_BYTES = 4 << 20
+MAX_NAMES_REPORTED = 20  # leftover threads and processes named in a result
+MAX_NAME_CHARS = 100  # a thread's name is the program's to choose, of any length
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,9 @@ def execute_program(
         leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
         output = capture.read()
         elapsed_ms = (time.monotonic() - start) * 1000
-        leftover = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        leftover = [
+            str(t.name)[:MAX_NAME_CHARS] for t in threading.enumerate() if t not in threads_before and t.is_alive()
+        ]
         retire = bool(interpreter.retire_reason)
         body: dict[str, Any] = {
             "request_id": request_id,
@@ -139,10 +150,10 @@ def execute_program(
         # (its output stays exactly what the program wrote); the worker is not used again.
         notes: dict[str, Any] = {}
         if leftover:
-            notes["leftover_threads"] = leftover
+            notes["leftover_threads"] = leftover[:MAX_NAMES_REPORTED]
             retire, reason = True, f"the program left threads running: {', '.join(leftover[:5])}"
         if leftover_processes:
-            notes["leftover_processes"] = leftover_processes
+            notes["leftover_processes"] = leftover_processes[:MAX_NAMES_REPORTED]
             retire = True
             reason = f"the program left {len(leftover_processes)} process(es) running, now killed: " + ", ".join(
                 leftover_processes[:5]
@@ -153,6 +164,10 @@ def execute_program(
                 error["message"] = f"{error['message']} ({hint})"
         if error is not None and error.get("instruction_index") is None:
             error["instruction_index"] = None
+        interpreter.lease.note_end()
+        if interpreter.lease.granted_at is not None and not retire:
+            # The broker gives the GPU back only when this process has exited.
+            retire, reason = True, "it held the GPU lease, which only its exit gives back"
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
         if saved is not None:
@@ -190,7 +205,15 @@ def run_worker(settings: WorkerSettings) -> int:
                 return 0
             if command != protocol.PROGRAM:
                 continue
-            outcome = _execute_message(body, data, settings, socket)
+            try:
+                outcome = _execute_message(body, data, settings, socket)
+            except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
+                outcome = ExecutionOutcome(
+                    _failed_body(str(body.get("request_id", "")), "runtime", f"the worker failed: {exc!r}"),
+                    [],
+                    retire=True,
+                    retire_reason="the worker failed",
+                )
             processes.note_progress(None)
             reusable = not outcome.retire and (settings.max_programs == 0 or done + 1 < settings.max_programs)
             outcome.body["worker"] = {
@@ -205,7 +228,8 @@ def run_worker(settings: WorkerSettings) -> int:
                 "finished_at": time.time(),
                 **outcome.notes,
             }
-            socket.send_multipart(protocol.message(protocol.RESULT, outcome.body, *outcome.frames), copy=False)
+            packed, frames = bounded_result(outcome.body, outcome.frames)
+            socket.send_multipart([protocol.VERSION, protocol.RESULT, packed, *frames], copy=False)
             done += 1
             if not reusable:
                 return 0
@@ -296,28 +320,78 @@ def _execute_message(
             outcome.body["results"], outcome.frames = {}, []
         return outcome
     except (protocol.WireError, OSError, ValueError, TypeError) as exc:
-        error = {
-            "kind": "parse",
-            "message": f"the worker could not read the program: {exc}",
-            "instruction_index": None,
-            "instruction_op": None,
-            "instruction_id": None,
-            "traceback": "",
-        }
         return ExecutionOutcome(
-            {
-                "request_id": request_id,
-                "status": "FAILED",
-                "results": {},
-                "error": error,
-                "stdout": "",
-                "stderr": "",
-                "stdout_truncated": False,
-                "stderr_truncated": False,
-                "elapsed_ms": 0.0,
-                "lease_wait_ms": 0.0,
-                "lease_held_ms": 0.0,
-                "gpu_ids": [],
-            },
-            [],
+            _failed_body(request_id, "parse", f"the worker could not read the program: {exc}"), []
         )
+
+
+def _failed_body(request_id: str, kind: str, message: str) -> dict[str, Any]:
+    """The RESULT of a program that failed before any instruction ran, or outside all of them."""
+    return {
+        "request_id": request_id,
+        "status": "FAILED",
+        "results": {},
+        "error": _program_error(kind, message),
+        "stdout": "",
+        "stderr": "",
+        "stdout_truncated": False,
+        "stderr_truncated": False,
+        "elapsed_ms": 0.0,
+        "lease_wait_ms": 0.0,
+        "lease_held_ms": 0.0,
+        "gpu_ids": [],
+    }
+
+
+# --- the bounds of one RESULT -------------------------------------------------------------------
+
+
+def _cut_text(text: str, most_bytes: int) -> tuple[str, bool]:
+    """``text`` cut to ``most_bytes`` of UTF-8 at a character boundary; whether it was cut."""
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= most_bytes:
+        return text, False
+    return data[:most_bytes].decode("utf-8", errors="ignore"), True
+
+
+def bounded_result(body: dict[str, Any], frames: list[Any]) -> tuple[bytes, list[Any]]:
+    """The packed RESULT body and its frames, within the limits of one message.
+
+    The returned values were bounded as they were returned (see the interpreter); here the error's
+    text is cut, and stdout and stderr are cut further when the body has no room for all of them
+    (``output_limit_bytes`` allows 64 MiB each, as much as a whole body): they are marked
+    truncated, as at their own limit. What still does not fit (it should not happen) becomes a
+    ``serialization`` failure, never a message the broker cannot read.
+    """
+    error = body.get("error")
+    if isinstance(error, dict):
+        for name, most in (("message", MAX_ERROR_MESSAGE_BYTES), ("traceback", MAX_TRACEBACK_BYTES)):
+            text = error.get(name)
+            if isinstance(text, str):
+                cut, was_cut = _cut_text(text, most)
+                error[name] = cut + (" [cut]" if was_cut else "")
+    budget = protocol.MAX_BODY_BYTES - RESULT_BODY_MARGIN_BYTES
+    output = {name: str(body.get(name) or "") for name in ("stdout", "stderr")}
+    sizes = {name: len(text.encode("utf-8", errors="replace")) for name, text in output.items()}
+    # Output up to this much always fits beside values within the interpreter's bound.
+    room = OUTPUT_ALWAYS_FITS_BYTES
+    if sum(sizes.values()) > room:
+        room = max(0, budget - len(protocol.pack({**body, "stdout": "", "stderr": ""})))
+    if sum(sizes.values()) > room:
+        shares = {"stderr": min(sizes["stderr"], room // 2)}
+        shares["stdout"] = min(sizes["stdout"], room - shares["stderr"])
+        shares["stderr"] = min(sizes["stderr"], room - shares["stdout"])
+        for name, text in output.items():
+            body[name], was_cut = _cut_text(text, shares[name])
+            body[f"{name}_truncated"] = bool(body.get(f"{name}_truncated")) or was_cut
+    packed = protocol.pack(body)
+    if len(packed) <= budget and len(frames) <= protocol.MAX_FRAMES - 3:
+        return packed, frames
+    failed = _failed_body(
+        str(body.get("request_id", "")),
+        "serialization",
+        f"the result does not fit in one message ({len(packed)} bytes of body, {len(frames)} data frames; "
+        f"at most {budget} and {protocol.MAX_FRAMES - 3})",
+    )
+    failed["worker"] = body.get("worker", {})
+    return protocol.pack(failed), []
