@@ -263,7 +263,7 @@ def _broker(args: argparse.Namespace) -> int:
         run_broker,
     )
     from kcoral.broker.target import TargetError
-    from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
+    from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 
     log = structlog.get_logger("kcoral.cli")
     sandbox = args.sandbox

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from kcoral import AsyncClient, Client, KCoralError, Program, protocol
-from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
+from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from kcoral.worker.worker import ProgramBlobs, _map_blob
 from tests.conftest import BrokerFactory, RunningBroker, start_broker
 

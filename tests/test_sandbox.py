@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kcoral.broker.sandboxing import Bubblewrap
-from kcoral.worker import sandbox
-from kcoral.worker.sandbox import (
+from kcoral.sandbox import bubblewrap as sandbox
+from kcoral.sandbox.bubblewrap import (
     SANDBOX_ENV,
     SandboxSpec,
     SandboxUnavailable,
@@ -24,6 +23,7 @@ from kcoral.worker.sandbox import (
     sandbox_argv,
     sandbox_environment,
 )
+from kcoral.sandbox.launcher import Bubblewrap
 
 try:
     BWRAP = check_bwrap()
@@ -131,7 +131,7 @@ def output(done: subprocess.CompletedProcess[str]) -> str:
 
 def test_python_numpy_torch_and_kcoral_import_inside(slots: Slots, run_inside: Runner) -> None:
     code = """
-    import numpy, torch, kcoral.worker.sandbox
+    import numpy, torch, kcoral.sandbox.bubblewrap
     print(float(torch.ones(3).sum()) + float(numpy.ones(2).sum()))
     """
     assert output(run_inside(slots.spec(), code)) == "5.0"

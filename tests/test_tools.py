@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from kcoral.tools import service_side
-from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
 from tests.conftest import BrokerFactory, RunningBroker, free_port, start_broker
 
 ADAPTER_TIMEOUT_S = 60.0  # a bound for one adapter run, never reached when things work

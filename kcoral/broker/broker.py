@@ -128,7 +128,7 @@ class Broker(ProgramIntake):
     # --- setup ---
 
     def _slot_specs(self) -> list[SlotSpec]:
-        from kcoral.broker.sandboxing import zygote_launcher
+        from kcoral.sandbox.launcher import zygote_launcher
 
         # Checks once that bwrap runs (SandboxUnavailable otherwise), not once per slot.
         launcher = zygote_launcher(self.settings, self.run_dir)

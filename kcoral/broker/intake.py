@@ -18,7 +18,7 @@ import structlog
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
 from kcoral.broker.requests import Request, RequestQueue
-from kcoral.worker.sandbox import BLOBS as SANDBOX_BLOBS_DIR
+from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
 
 if TYPE_CHECKING:
     from kcoral.broker.broker import BrokerSettings

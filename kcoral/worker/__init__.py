@@ -1,1 +1,1 @@
-"""The worker side: zygote, program interpreter, sandbox, output capture."""
+"""The worker side: zygote, program interpreter, output capture."""

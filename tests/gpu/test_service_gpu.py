@@ -124,7 +124,7 @@ def time_side_stream(method):
 
 
 def _sandbox_flag() -> str:
-    from kcoral.worker.sandbox import SandboxUnavailable, check_bwrap
+    from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 
     try:
         check_bwrap()

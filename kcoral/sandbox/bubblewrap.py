@@ -14,7 +14,7 @@ no capabilities, and a root filesystem assembled from scratch:
   program from deleting or replacing the broker's socket);
 * the broker's blob cache, read-only, at ``/blobs`` (a program opens the blobs it was given by
   digest; it cannot list the others' where the broker runs as root, see
-  :mod:`kcoral.broker.sandboxing`);
+  :mod:`kcoral.sandbox.launcher`);
 * only the slot's ``/dev/nvidiaN`` and the NVIDIA control nodes;
 * an empty read-only ``/tmp``;
 * ``/dev/shm`` (POSIX shared memory and semaphores, torch's shared tensors): a private host
@@ -269,7 +269,7 @@ def _runtime_candidates(spec: SandboxSpec) -> list[Path]:
     # Whatever else this interpreter imports from (PYTHONPATH, paths that .pth files add), since
     # the zygote imports the same modules; but not the working directory (``python -m`` puts it
     # first) nor the checkout that holds the package. The user site-packages is left out on
-    # purpose: a sandboxed zygote runs with -s (see kcoral.broker.sandboxing).
+    # purpose: a sandboxed zygote runs with -s (see kcoral.sandbox.launcher).
     skipped = {_real(Path.cwd()), package.parent}
     if site.ENABLE_USER_SITE:
         skipped.add(_real(Path(site.getusersitepackages())))

@@ -3,7 +3,7 @@
 The broker knows a slot's workspace by its host path; a sandboxed zygote sees the same directory
 at ``/workspace`` and is told that path (the broker hands paths to the zygote only on its command
 line, so nothing else needs translating). What the sandbox holds is
-:mod:`kcoral.worker.sandbox`'s business; this module supplies the broker's side of it: the bwrap
+:mod:`kcoral.sandbox.bubblewrap`'s business; this module supplies the broker's side of it: the bwrap
 that was found to work, the ipc and blob cache directories, a shared-memory directory per slot,
 and the interpreter flags of a sandboxed zygote.
 
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Final
 
 import structlog
 
-from kcoral.worker.sandbox import WORKSPACE, SandboxSpec, check_bwrap, sandbox_argv
+from kcoral.sandbox.bubblewrap import WORKSPACE, SandboxSpec, check_bwrap, sandbox_argv
 
 if TYPE_CHECKING:
     from kcoral.broker.broker import BrokerSettings
 
 __all__ = ["Bubblewrap", "Unsandboxed", "zygote_launcher"]
 
-log = structlog.get_logger("kcoral.sandboxing")
+log = structlog.get_logger("kcoral.sandbox")
 
 # A program can kill its zygote (same uid), and the next zygote of the slot starts in the same
 # workspace before wiping it. Its interpreter must therefore import nothing from there: -P keeps
@@ -56,7 +56,7 @@ class Unsandboxed:
 
 @dataclass(frozen=True)
 class Bubblewrap:
-    """``--sandbox bubblewrap``: each zygote in its own sandbox (see :mod:`kcoral.worker.sandbox`)."""
+    """``--sandbox bubblewrap``: each zygote in its own sandbox (see :mod:`kcoral.sandbox.bubblewrap`)."""
 
     bwrap: Path
     run_dir: Path
@@ -88,7 +88,7 @@ class Bubblewrap:
 def zygote_launcher(settings: BrokerSettings, run_dir: Path) -> Unsandboxed | Bubblewrap:
     """The launcher for ``settings.sandbox``; checks once that bwrap runs here.
 
-    Raises :class:`~kcoral.worker.sandbox.SandboxUnavailable`, saying how to fix it, when the
+    Raises :class:`~kcoral.sandbox.bubblewrap.SandboxUnavailable`, saying how to fix it, when the
     sandbox was asked for and bwrap cannot run: never a silent fall-back.
     """
     if settings.sandbox == "none":
