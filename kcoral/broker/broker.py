@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.broker import slots
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import OFF_LOOP_UPLOAD_BYTES, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
@@ -55,6 +56,7 @@ class BrokerSettings:
     workers_per_gpu: int = 1
     workers: int = 2  # CPU workers where there are no GPUs
     sandbox: str = "none"
+    sandbox_reason: str = ""  # why there is none, when bubblewrap could not run (--sandbox auto)
     sandbox_readonly_paths: tuple[Path, ...] = ()
     max_programs_per_worker: int = 1
     # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
@@ -101,6 +103,7 @@ class Broker(ProgramIntake):
                 memory_bytes=settings.cache_bytes,
                 disk_dir=cache_dir,
                 disk_bytes=settings.cache_disk_bytes,
+                disk_writable_by_others=settings.sandbox != "bubblewrap",
             )
         )
         self.requests: dict[str, Request] = {}
@@ -108,6 +111,7 @@ class Broker(ProgramIntake):
         self.workers: dict[bytes, Worker] = {}
         self.idle: dict[bytes, Worker] = {}
         self.exited: dict[bytes, WorkerExit] = {}
+        self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
         self.draining = False
         self.stopped = asyncio.Event()
         self.context = zmq.asyncio.Context()
@@ -337,6 +341,7 @@ class Broker(ProgramIntake):
         request.started_at = time.monotonic()
         request.worker = worker
         worker.request_id = request.id
+        worker.programs += 1
         body = {
             "request_id": request.id,
             "program": request.program,
@@ -400,9 +405,14 @@ class Broker(ProgramIntake):
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
         try:
+            oversized = slots.oversized_result([f.buffer for f in frames[1:]])
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
             log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
+            self._fail_unreadable_result(identity, oversized, exc)
+            return
+        if oversized is not None:
+            self._fail_unreadable_result(identity, oversized, None)
             return
         if command == protocol.READY:
             self._on_ready(identity, body)
@@ -416,8 +426,6 @@ class Broker(ProgramIntake):
         if command == protocol.LEASE:
             if request.lease_task is None or request.lease_task.done():
                 request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
-        elif command == protocol.RELEASE:
-            self.leases.release(request.id)
         elif command == protocol.PROGRESS:
             index = body.get("index")
             request.instruction_index = index if isinstance(index, int) else None
@@ -457,12 +465,16 @@ class Broker(ProgramIntake):
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
         try:
-            await self.leases.acquire(request.id, request.gpu_ids)
+            grant = await self.leases.acquire(request.id, request.gpu_ids)
         except (LeaseReclaimed, asyncio.CancelledError):
             return
-        if self.requests.get(request.id) is not request or request.state != "running":
+        if self.requests.get(request.id) is not request or request.state != "running" or worker.identity in self.exited:
             self.leases.release(request.id)
             return
+        # Held until the zygote reports this worker's exit (see _on_worker_exit), whatever the
+        # worker says: until then its program could still run work on the GPU.
+        self.held_leases[worker.identity] = request.id
+        request.lease_times = (grant.requested_at, grant.granted_at)
         try:
             self.backend_out.send([worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
@@ -472,10 +484,9 @@ class Broker(ProgramIntake):
         worker.request_id = None
         if worker.exited:
             self.workers.pop(worker.identity, None)
-        self.leases.release(request.id)
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
-        if info.get("reusable") and worker.identity in self.workers:
+        if info.get("reusable") and slots.reusable(worker, self.settings.max_programs_per_worker, self.held_leases):
             self.idle[worker.identity] = worker
         elif info.get("retire_reason"):
             log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
@@ -495,6 +506,7 @@ class Broker(ProgramIntake):
         result["request_id"] = request.id
         result["queue_ms"] = (request.started_at - request.queued_at) * 1000
         result["gpu_ids"] = list(request.gpu_ids)
+        result.update(slots.lease_times(request.lease_times, time.monotonic()))
         self._finish(request, {"request_id": request.id, "ok": True, "result": result}, data)
         self._dispatch()
 
@@ -504,6 +516,10 @@ class Broker(ProgramIntake):
         if len(self.exited) > MAX_REMEMBERED_EXITS:
             self.exited.pop(next(iter(self.exited)))
         self.idle.pop(identity, None)
+        holder = self.held_leases.pop(identity, None)
+        if holder is not None:
+            # The worker and all it started are gone (the zygote says so only then): the GPU is free.
+            self.leases.reclaim(holder)
         worker = self.workers.get(identity)
         if worker is None or worker.request_id is None:
             self.workers.pop(identity, None)
@@ -514,7 +530,6 @@ class Broker(ProgramIntake):
             return
         # Keep the worker known for a moment: its RESULT may still be queued in the socket.
         worker.exited = True
-        self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
         asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE_SECONDS, self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
@@ -522,16 +537,35 @@ class Broker(ProgramIntake):
         if self.requests.get(request.id) is not request or request.worker is not worker:
             return
         index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
+        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
+        message = f"worker exited while executing the instruction ({exit.describe()})"
+        self._finish_failed(request, "runtime", message, index)
+
+    def _fail_unreadable_result(
+        self, identity: bytes, oversized: str | None, exc: protocol.WireError | None
+    ) -> None:
+        """A message from a running worker that cannot become a FINAL: fail its program clearly."""
+        worker = self.workers.get(identity)
+        request = self.requests.get(worker.request_id or "") if worker is not None else None
+        if request is None or worker is None:
+            return
+        log.warning("unreadable_result", request_id=request.id, worker=identity.decode(), error=oversized or str(exc))
+        if oversized is not None:
+            self._finish_error(request, "response_too_large", oversized)
+        else:
+            self._finish_failed(request, "serialization", f"the worker's result could not be read: {exc}", None)
+
+    def _finish_failed(self, request: Request, kind: str, message: str, index: int | None) -> None:
+        """Answer a running program with a FAILED result the broker writes itself."""
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
-        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
         result = {
             "request_id": request.id,
             "status": "FAILED",
             "results": {},
             "error": {
-                "kind": "runtime",
-                "message": f"worker exited while executing the instruction ({exit.describe()})",
+                "kind": kind,
+                "message": message,
                 "instruction_index": index,
                 "instruction_op": ins.get("op"),
                 "instruction_id": ins.get("id"),
@@ -543,11 +577,15 @@ class Broker(ProgramIntake):
             "stderr_truncated": False,
             "queue_ms": (request.started_at - request.queued_at) * 1000,
             "elapsed_ms": (time.monotonic() - request.started_at) * 1000,
-            "lease_wait_ms": 0.0,
-            "lease_held_ms": 0.0,
             "gpu_ids": list(request.gpu_ids),
+            **slots.lease_times(request.lease_times, time.monotonic()),
         }
+        worker = request.worker
         self._finish(request, {"request_id": request.id, "ok": True, "result": result}, [])
+        if worker is not None and not worker.exited:
+            worker.request_id = None
+            self.workers.pop(worker.identity, None)
+            self.supervisor.kill_worker(worker.slot)
         self._dispatch()
 
     # --- replies ---
@@ -560,7 +598,8 @@ class Broker(ProgramIntake):
             request.timer.cancel()
         if request.lease_task is not None:
             request.lease_task.cancel()
-        self.leases.reclaim(request.id)
+        if request.worker is None or self.held_leases.get(request.worker.identity) != request.id:
+            self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
         if request.state == "queued":
             self.queue.remove(request)
@@ -649,6 +688,7 @@ class Broker(ProgramIntake):
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
             "counters": {"completed": self.completed, "failed": self.failed},
             "sandbox": self.settings.sandbox,
+            **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
             "target": self.target.to_wire(),
             "versions": versions(),
         }

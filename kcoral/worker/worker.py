@@ -36,6 +36,7 @@ MAX_TRACEBACK_BYTES = 1 << 20
 # it turns the body into the client's FINAL.
 RESULT_BODY_MARGIN_BYTES = 64 << 10
 OUTPUT_ALWAYS_FITS_BYTES = 4 << 20
+STRING_HEADERS_BYTES = 16
 MAX_NAMES_REPORTED = 20  # leftover threads and processes named in a result
 MAX_NAME_CHARS = 100  # a thread's name is the program's to choose, of any length
 
@@ -376,7 +377,8 @@ def bounded_result(body: dict[str, Any], frames: list[Any]) -> tuple[bytes, list
     # Output up to this much always fits beside values within the interpreter's bound.
     room = OUTPUT_ALWAYS_FITS_BYTES
     if sum(sizes.values()) > room:
-        room = max(0, budget - len(protocol.pack({**body, "stdout": "", "stderr": ""})))
+        # Less what the two strings' msgpack headers grow by (5 bytes each, at most).
+        room = max(0, budget - len(protocol.pack({**body, "stdout": "", "stderr": ""})) - STRING_HEADERS_BYTES)
     if sum(sizes.values()) > room:
         shares = {"stderr": min(sizes["stderr"], room // 2)}
         shares["stdout"] = min(sizes["stdout"], room - shares["stderr"])
