@@ -72,6 +72,40 @@ def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, sub
             process.wait()
 
 
+@contextlib.contextmanager
+def router(nodes: int, *broker_flags: str) -> Iterator[str]:
+    """Start ``kcoral router`` and ``nodes`` brokers that join it; yield the router's client URL once
+    every node is live. Everything is stopped (SIGTERM) afterwards."""
+    url, nodes_url = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    log_path = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-")) / "router.log"
+    argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "warning", "router"]
+    argv += ["--listen", url, "--nodes-listen", nodes_url]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with contextlib.ExitStack() as stack:
+            for index in range(nodes):
+                flags = ("--upstream", nodes_url, "--node-id", f"node-{index}", *broker_flags)
+                stack.enter_context(broker(*flags))
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(KCoralError), Client(url, connect_timeout_seconds=2) as client:
+                    live = [n for n in client.health().get("nodes", []) if n.get("state") == "live"]
+                    if len(live) >= nodes:
+                        break
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"router not ready: {log_path.read_text()}")
+                time.sleep(0.2)
+            yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def constant_program(value: object = 1) -> Program:
     program = Program()
     program.return_(key="v", value=value)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import errno
 import json
 import logging
 import os
@@ -12,16 +14,19 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 
-from kcoral import protocol
+from kcoral import __version__, protocol
+from kcoral.units import format_bytes, parse_size
 
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # the service could not be reached
 EXIT_CONFIG = 78  # the broker cannot start with these settings
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 DEFAULT_BROKER_URL = "tcp://127.0.0.1:5555"
 DEFAULT_ROUTER_URL = "tcp://127.0.0.1:6000"
@@ -65,12 +70,40 @@ def configure_logging(level: str, as_json: bool) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the full usage of ``kcoral broker`` is 20 lines, which
+    buries the message; ``--help`` is named instead."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default (sizes human-readable) unless its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or "default" in text or default is None or default is False:
+            return text
+        if default == [] or default is argparse.SUPPRESS:
+            return text
+        shown = format_bytes(default) if action.type is _size else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, not {text!r}")
+    return text.lower()
 
 
 def _gpu_list(text: str) -> tuple[int, ...]:
@@ -83,22 +116,36 @@ def _gpu_list(text: str) -> tuple[int, ...]:
     return gpus
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+
+
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    value = _seconds(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
@@ -106,7 +153,8 @@ def _positive_seconds(text: str) -> float:
 
 def _endpoint(text: str) -> str:
     if not re.fullmatch(r"tcp://.+:[0-9]+|ipc://.+", text):
-        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}")
+        hint = f" (did you mean tcp://{text}?)" if re.fullmatch(r"[^/:]+:[0-9]+", text) else ""
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}{hint}")
     return text
 
 
@@ -129,19 +177,46 @@ def _existing_path(text: str) -> Path:
     return path
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kcoral", description="KCoral: a GPU evaluation service.")
-    parser.add_argument("--log-level", default=os.environ.get("KCORAL_LOG_LEVEL", "info"))
-    parser.add_argument("--log-json", action="store_true", help="one JSON object per log line")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """The global flags; on a subcommand too (``kcoral broker --log-json``), where they default to
+    nothing so that they do not undo the same flag given before the subcommand."""
+    parser.add_argument(
+        "--log-level",
+        metavar="LEVEL",
+        type=_log_level,
+        default=None if top else argparse.SUPPRESS,
+        help=f"one of {', '.join(LOG_LEVELS)} (default: $KCORAL_LOG_LEVEL or info)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,
+        help="one JSON object per log line",
+    )
 
-    broker = sub.add_parser("broker", help="serve programs on this host's GPUs (or CPUs)")
-    broker.add_argument("--listen", default=DEFAULT_BROKER_URL)
-    broker.add_argument("--device", choices=("gpu", "cpu"), default=None)
-    broker.add_argument("--gpus", type=_gpu_list, default=None, help="GPU indices to serve, e.g. 0,1")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kcoral", description="KCoral: a GPU evaluation service.")
+    parser.add_argument("--version", action="version", version=f"kcoral {__version__}")
+    _add_logging_flags(parser, top=True)
+    sub: argparse._SubParsersAction[argparse.ArgumentParser]
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)  # type: ignore[assignment]
+
+    broker = sub.add_parser(
+        "broker", help="serve programs on this host's GPUs (or CPUs)", formatter_class=_HelpFormatter
+    )
+    broker.add_argument(
+        "--listen", type=_endpoint, default=DEFAULT_BROKER_URL, help="where clients connect, tcp://HOST:PORT"
+    )
+    broker.add_argument(
+        "--device", choices=("gpu", "cpu"), default=None, help="serve GPUs or CPU workers (default: GPUs if any)"
+    )
+    broker.add_argument("--gpus", type=_gpu_list, default=None, help="GPU indices to serve, e.g. 0,1 (default: all)")
     broker.add_argument("--fake-gpus", type=_non_negative, default=0, help="lease tokens on a CPU host")
-    broker.add_argument("--workers-per-gpu", type=_positive, default=1)
-    broker.add_argument("--workers", type=_positive, default=None, help="CPU workers when there are no GPUs")
+    broker.add_argument("--workers-per-gpu", type=_positive, default=1, help="worker slots per GPU")
+    broker.add_argument(
+        "--workers", type=_positive, default=None, help="CPU workers when there are no GPUs (default: cores, 1 to 4)"
+    )
     broker.add_argument(
         "--sandbox",
         choices=("auto", "bubblewrap", "none"),
@@ -157,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a host path that workers may read, at the same path (repeatable)",
     )
-    broker.add_argument("--max-programs-per-worker", type=_non_negative, default=1, help="0: reuse workers")
+    broker.add_argument(
+        "--max-programs-per-worker", type=_non_negative, default=1, help="programs a worker runs; 0: reuse workers"
+    )
     broker.add_argument(
         "--cache-dir",
         type=_absolute_path,
@@ -165,12 +242,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="disk blob cache (default: RUN_DIR/cache, deleted with a temporary run dir; "
         "give this or --run-dir for a cache that survives a restart)",
     )
-    broker.add_argument("--cache-bytes", type=_size, default=1 << 30)
-    broker.add_argument("--cache-disk-bytes", type=_size, default=32 << 30)
-    broker.add_argument("--max-queued", type=_positive, default=1024)
-    broker.add_argument("--queue-timeout", type=float, default=3600.0, help="seconds a program may wait to start")
-    broker.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
-    broker.add_argument("--max-response-bytes", type=_size, default=protocol.DEFAULT_MAX_RESPONSE_BYTES)
+    broker.add_argument("--cache-bytes", type=_size, default=1 << 30, help="memory blob cache")
+    broker.add_argument("--cache-disk-bytes", type=_size, default=32 << 30, help="disk blob cache")
+    broker.add_argument("--max-queued", type=_positive, default=1024, help="programs waiting before 'busy'")
+    broker.add_argument(
+        "--queue-timeout", type=_positive_seconds, default=3600.0, help="seconds a program may wait to start"
+    )
+    broker.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        default=protocol.DEFAULT_MAX_REQUEST_BYTES,
+        help="declared sizes and blob bytes of one program",
+    )
+    broker.add_argument(
+        "--max-response-bytes",
+        type=_size,
+        default=protocol.DEFAULT_MAX_RESPONSE_BYTES,
+        help="data returned by one program",
+    )
     broker.add_argument(
         "--negotiation-timeout",
         type=_positive_seconds,
@@ -219,10 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--node-id", type=_node_id, default=None, help="this host's name at the router (default: HOSTNAME:PORT)"
     )
 
-    router = sub.add_parser("router", help="one endpoint for the brokers of many GPU hosts")
-    router.add_argument("--listen", default=DEFAULT_ROUTER_URL, help="where clients connect")
-    router.add_argument("--nodes-listen", default=DEFAULT_ROUTER_NODES_URL, help="where host brokers connect")
-    router.add_argument("--max-queued", type=_positive, default=1024)
+    router = sub.add_parser(
+        "router", help="one endpoint for the brokers of many GPU hosts", formatter_class=_HelpFormatter
+    )
+    router.add_argument("--listen", type=_endpoint, default=DEFAULT_ROUTER_URL, help="where clients connect")
+    router.add_argument(
+        "--nodes-listen", type=_endpoint, default=DEFAULT_ROUTER_NODES_URL, help="where host brokers connect"
+    )
+    router.add_argument("--max-queued", type=_positive, default=1024, help="programs waiting before 'busy'")
     router.add_argument("--queue-timeout", type=_positive_seconds, default=3600.0, help="seconds a program may wait")
     router.add_argument(
         "--node-wait",
@@ -230,22 +323,64 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds programs wait for a node while none is registered, then are refused (default 10)",
     )
-    router.add_argument("--max-request-bytes", type=_size, default=protocol.DEFAULT_MAX_REQUEST_BYTES)
+    router.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        default=protocol.DEFAULT_MAX_REQUEST_BYTES,
+        help="declared sizes and blob bytes of one program",
+    )
 
-    status = sub.add_parser("status", help="show a broker's or router's capacity, queue, leases, workers")
-    status.add_argument("url", nargs="?", default=None)
-    status.add_argument("--json", action="store_true")
+    status = sub.add_parser(
+        "status",
+        help="show a broker's or router's capacity, queue, leases, workers",
+        formatter_class=_HelpFormatter,
+    )
+    status.add_argument(
+        "url", nargs="?", default=None, help=f"tcp://HOST:PORT (default: $KCORAL_URL or {DEFAULT_BROKER_URL})"
+    )
+    status.add_argument("--json", action="store_true", help="the full health map as JSON")
 
     from kcoral.tools import add_adapter_parsers
 
     # The seed's adapters: python, ncu, sanitizer, iket, remote (their flags live in kcoral/tools).
     add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"))
+    for subcommand in sub.choices.values():
+        _add_logging_flags(subcommand, top=False)
+    for service in (broker, router):
+        _name_values(service)
     return parser
 
 
+_METAVARS: dict[Any, str] = {
+    _size: "SIZE",
+    _endpoint: "URL",
+    _positive: "N",
+    _non_negative: "N",
+    _positive_seconds: "S",
+    _gpu_list: "LIST",
+    _absolute_path: "DIR",
+    _existing_path: "PATH",
+    _node_id: "NAME",
+}
+
+
+def _name_values(parser: argparse.ArgumentParser) -> None:
+    """``--cache-bytes SIZE`` in the usage rather than ``--cache-bytes CACHE_BYTES``."""
+    for action in parser._actions:
+        if action.metavar is None and action.type in _METAVARS:
+            action.metavar = _METAVARS[action.type]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_json)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = args.log_level
+    if level is None:
+        try:
+            level = _log_level(os.environ.get("KCORAL_LOG_LEVEL", "info"))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"$KCORAL_LOG_LEVEL: {exc}")
+    configure_logging(level, args.log_json)
     if args.command == "broker":
         return _broker(args)
     if args.command == "router":
@@ -287,6 +422,8 @@ def _default_workspace_bytes(run_dir: Path | None, slots: int) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
+    import zmq
+
     from kcoral.broker.broker import (
         NEGOTIATION_TIMEOUT_SECONDS,
         BrokerSettings,
@@ -350,13 +487,22 @@ def _broker(args: argparse.Namespace) -> int:
         node_id=args.node_id,
     )
     install_event_loop_policy()
+    # The CLI makes the temporary run directory, so that it goes away however the broker ends
+    # (a port in use, a sandbox that cannot start).
+    temporary_run_dir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="kcoral-"))
+    settings = dataclasses.replace(settings, run_dir=args.run_dir or temporary_run_dir)
     try:
         return asyncio.run(run_broker(settings))
     except (TargetError, SandboxUnavailable) as exc:
         log.error("broker_cannot_start", error=str(exc))
         return EXIT_CONFIG
+    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
+        return _cannot_listen("broker", exc)
     except KeyboardInterrupt:
         return EXIT_OK
+    finally:
+        if temporary_run_dir is not None:
+            shutil.rmtree(temporary_run_dir, ignore_errors=True)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -377,10 +523,24 @@ def _router(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run_router(settings))
     except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
-        structlog.get_logger("kcoral.cli").error("router_cannot_start", error=str(exc))
-        return EXIT_CONFIG
+        return _cannot_listen("router", exc)
     except KeyboardInterrupt:
         return EXIT_OK
+
+
+def _cannot_listen(service: str, exc: Any) -> int:
+    """One line for the usual start failure (a zmq.ZMQError), instead of a traceback from pyzmq."""
+    import zmq
+
+    named = re.search(r"\(addr='([^']*)'\)", str(exc))  # pyzmq >= 26 names the endpoint so
+    where = f" on {named.group(1)}" if named else ""
+    reason = zmq.strerror(exc.errno) if exc.errno else str(exc)
+    hint = "; is another broker or router running there? (kcoral status URL)"
+    print(
+        f"kcoral {service}: cannot listen{where}: {reason}{hint if exc.errno == errno.EADDRINUSE else ''}",
+        file=sys.stderr,
+    )
+    return EXIT_CONFIG
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -390,6 +550,9 @@ def _status(args: argparse.Namespace) -> int:
     try:
         with Client(url, connect_timeout_seconds=5.0) as client:
             health = client.health()
+    except ValueError as exc:  # not a zmq URL (http://...)
+        print(f"kcoral status: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KCoralError as exc:
         print(f"kcoral status: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -398,21 +398,27 @@ def test_memory_bomb_fails_naming_the_limit(limited: RunningBroker) -> None:
 
 
 def test_memory_spread_over_processes_is_caught_by_the_watchdog(limited: RunningBroker, tmp_path: Path) -> None:
-    # Each child stays under its own RLIMIT_DATA; together they pass the limit.
+    # Each child stays under its own RLIMIT_DATA; together they pass the limit. A child inherits
+    # the worker's data segment, which depends on the torch build (CPU torch maps about 215 MiB at
+    # import, CUDA torch 767 MiB), so the program measures it and sizes the blocks to fit beside it.
     body = """
-        def main(path):
+        def main(path, limit):
             name_me()
-            for _ in range(4):
+            with open("/proc/self/status") as status:
+                inherited = next(int(l.split()[1]) << 10 for l in status if l.startswith("VmData:"))
+            block = min(400 << 20, limit - inherited - (64 << 20))
+            assert block > (32 << 20), f"the worker alone maps {inherited >> 20} MiB of data"
+            for _ in range(limit // block + 2):
                 child = os.fork()
                 if child == 0:
-                    block = b"x" * (400 << 20)
+                    data = b"x" * block
                     time.sleep(600)
                     os._exit(0)
                 note(path, child)
             time.sleep(600)
     """
     pids_file = tmp_path / "pids"
-    result = run(limited.url, body, str(pids_file))
+    result = run(limited.url, body, str(pids_file), MEMORY_LIMIT)
     assert result.status == "FAILED" and result.error is not None
     assert "worker exited while executing the instruction" in result.error["message"]
     assert "--memory-limit" in result.error["message"], result.error["message"]

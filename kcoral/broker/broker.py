@@ -128,6 +128,7 @@ class Broker(ProgramIntake):
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self.upstream: UpstreamLink | None = None
+        self.ready_announced = False
 
     # --- setup ---
 
@@ -452,6 +453,10 @@ class Broker(ProgramIntake):
         self.workers[identity] = worker
         self.idle[identity] = worker
         log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        if not self.ready_announced and len(self.idle) >= len(self.supervisor.slots):
+            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
+            self.ready_announced = True
+            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.idle), gpus=list(self.gpu_ids))
         self._dispatch()
 
     def _on_worker_forked(self, slot: int, worker: str) -> None:

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.client.program import Program
+from kcoral.client.reach import Unresolvable, check_resolves, silence_reason
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError, ProtocolError, TransportError
 
@@ -33,6 +34,13 @@ T = TypeVar("T")
 URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
 RECEIVE_HIGH_WATER_MARK = 10_000
 SEND_HIGH_WATER_MARK = 10_000
+# A client closed with programs in flight (Ctrl-C, an exception in a `with` block) cancels them on
+# the service, so nobody's GPU stays held for a program no one waits for. The CANCEL is only queued
+# inside libzmq when close() runs; this long a linger lets it reach the wire (on loopback it takes
+# well under a millisecond; the bound only matters when the service is gone).
+CANCEL_LINGER_MS = 2000
+# How long Client waits, after Ctrl-C, for its cancelled call to send its CANCEL before re-raising.
+INTERRUPT_WAIT_SECONDS = 2.0
 
 
 class ClientState(enum.Enum):
@@ -83,6 +91,8 @@ class AsyncClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[str, asyncio.Queue[tuple[bytes, dict[str, Any], list[Any]]]] = {}
+        self._executing: set[str] = set()  # EXECUTEs sent and not yet answered by a FINAL
+        self._cancels_sent = 0
         self._last_heard = time.monotonic()
         self._send_lock = asyncio.Lock()
         # Counters that show what crossed the wire (tests and benchmarks read them).
@@ -103,6 +113,11 @@ class AsyncClient:
             return
         if self._state is ClientState.CLOSED:
             raise RuntimeError("this client was closed; make a new one")
+        try:
+            await check_resolves(self.url)
+        except Unresolvable as exc:
+            self._state = ClientState.CLOSED
+            raise TransportError(str(exc)) from None
         self._context = zmq.asyncio.Context()
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
@@ -122,7 +137,8 @@ class AsyncClient:
             await asyncio.wait_for(self.health(), self.connect_timeout_seconds)
         except (TimeoutError, TransportError) as exc:
             await self.aclose()
-            raise TransportError(f"no answer from {self.url} within {self.connect_timeout_seconds:g} s") from exc
+            reason = await silence_reason(self.url, self.connect_timeout_seconds)
+            raise TransportError(reason) from exc
         except BaseException:
             await self.aclose()
             raise
@@ -132,12 +148,15 @@ class AsyncClient:
         if self._state is ClientState.CLOSED:
             return
         self._state = ClientState.CLOSED
+        for request_id in list(self._executing):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send_cancel(request_id), INTERRUPT_WAIT_SECONDS)
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
         if self._socket is not None:
-            self._socket.close(linger=0)
+            self._socket.close(linger=CANCEL_LINGER_MS if self._cancels_sent else 0)
         if self._context is not None:
             self._context.term()
         for queue in self._pending.values():
@@ -162,6 +181,7 @@ class AsyncClient:
         timeout = options.get("timeout_seconds", protocol.DEFAULT_TIMEOUT_SECONDS)
         queue = self._register(request_id)
         try:
+            self._executing.add(request_id)
             await self._send(
                 protocol.EXECUTE,
                 {"request_id": request_id, "program": body, "options": options, "blobs": []},
@@ -170,6 +190,7 @@ class AsyncClient:
             while True:
                 command, reply, frames = await self._next_reply(request_id, queue, deadline)
                 if command == protocol.FINAL:
+                    self._executing.discard(request_id)
                     return self._final_result(request_id, reply, frames)
                 state = reply.get("state")
                 if state == "need_blobs":
@@ -179,9 +200,10 @@ class AsyncClient:
         except asyncio.CancelledError:
             # Tell the service, so a program nobody waits for stops using a GPU.
             with contextlib.suppress(Exception):
-                await self._send(protocol.CANCEL, {"request_id": request_id})
+                await self._send_cancel(request_id)
             raise
         finally:
+            self._executing.discard(request_id)
             self._pending.pop(request_id, None)
 
     async def health(self) -> dict[str, Any]:
@@ -207,7 +229,7 @@ class AsyncClient:
         try:
             await self._send(command, {"request_id": request_id})
             deadline = time.monotonic() + self.connect_timeout_seconds
-            _, reply, _ = await self._next_reply(request_id, queue, deadline)
+            _, reply, _ = await self._next_reply(request_id, queue, deadline, watch_liveness=False)
             if not reply.get("ok"):
                 raise _request_error(request_id, reply)
             result = reply.get("result")
@@ -216,6 +238,13 @@ class AsyncClient:
             return result
         finally:
             self._pending.pop(request_id, None)
+
+    async def _send_cancel(self, request_id: str) -> None:
+        if request_id not in self._executing:
+            return  # answered, or cancelled already
+        self._executing.discard(request_id)
+        self._cancels_sent += 1
+        await self._send(protocol.CANCEL, {"request_id": request_id})
 
     async def _send(self, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         assert self._socket is not None
@@ -239,6 +268,8 @@ class AsyncClient:
         request_id: str,
         queue: asyncio.Queue[tuple[bytes, dict[str, Any], list[Any]]],
         deadline: float | None,
+        *,
+        watch_liveness: bool = True,
     ) -> tuple[bytes, dict[str, Any], list[Any]]:
         liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
         while True:
@@ -252,7 +283,7 @@ class AsyncClient:
             try:
                 command, reply, frames = await asyncio.wait_for(queue.get(), wait)
             except TimeoutError:
-                if time.monotonic() - self._last_heard > liveness:
+                if watch_liveness and time.monotonic() - self._last_heard > liveness:
                     raise TransportError(
                         f"the service at {self.url} stopped answering", request_id=request_id
                     ) from None
@@ -414,9 +445,20 @@ class Client:
         if self._loop is None:
             coroutine.close()
             raise RuntimeError("the client is not open: use it as a context manager")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        finished = threading.Event()
+
+        async def call() -> T:
+            try:
+                return await coroutine
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(call(), self._loop)
         try:
             return future.result()
         except KeyboardInterrupt:
+            # Cancelling the call sends CANCEL for a program in flight; wait (briefly) until it
+            # has, so that a script that exits on Ctrl-C does not leave its program running.
             future.cancel()
+            finished.wait(INTERRUPT_WAIT_SECONDS)
             raise

@@ -287,7 +287,8 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
         _say(options.tool, f"{exc} (service {options.url})")
         return (EXIT_TIMED_OUT if exc.kind == "timeout" else EXIT_UNAVAILABLE), None
     except KeyboardInterrupt:
-        _say(options.tool, "interrupted")
+        # Leaving the `with` block closed the client, which sent CANCEL for the program in flight.
+        _say(options.tool, "interrupted; the program was cancelled on the service")
         return EXIT_INTERRUPTED, None
     show_output(options.tool, result)
     if not result.completed:
