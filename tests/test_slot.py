@@ -632,3 +632,6 @@ def test_10_a_program_cannot_poison_other_clients_cached_blobs(service: Service)
     second = execute(service.url, summing)
     assert second.completed, second.error
     assert second.results["out"] == first.results["out"] == float(data.sum())
+    # Inside bubblewrap the worker maps the blob from the read-only cache; without a sandbox the
+    # broker hashes it again on every read from disk and sends it as a frame.
+    assert ("blob_paths=1" in service.broker.log()) == (service.sandbox == "bubblewrap")
