@@ -27,8 +27,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start ``kcoral broker`` on a free loopback port; stop it (SIGTERM) afterwards."""
+def broker(
+    *flags: str, log_path: Path | None = None, checkout: Path | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``kcoral broker`` on a free loopback port; stop it (SIGTERM) afterwards.
+
+    ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions.
+    """
     url = f"tcp://127.0.0.1:{free_port()}"
     run_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
     log_path = log_path or run_dir.with_suffix(".log")
@@ -45,8 +50,9 @@ def broker(*flags: str, log_path: Path | None = None) -> Iterator[tuple[str, sub
         str(run_dir / "run"),
         *flags,
     ]
+    env = None if checkout is None else dict(os.environ, PYTHONPATH=str(checkout))
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=checkout, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:

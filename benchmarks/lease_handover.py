@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
-import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import free_port, machine, print_table, save_json
-from kcoral import AsyncClient, Client, KCoralError, Program, ProgramResult
+from benchmarks.common import broker, machine, print_table, save_json
+from kcoral import AsyncClient, Program, ProgramResult
 
 HOLD_SOURCE = """
 import time
@@ -52,7 +47,6 @@ def hold(ms, cuda):
         torch.cuda.synchronize()
     return start, time.time()
 """
-READY_TIMEOUT_S = 180.0
 
 
 def log(message: str) -> None:
@@ -65,37 +59,6 @@ def has_gpu() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and "GPU" in out.stdout
-
-
-@contextlib.contextmanager
-def broker_from(checkout: Path, flags: list[str]) -> Iterator[str]:
-    """``kcoral broker`` run from ``checkout`` (its own kcoral package) on a free loopback port."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    scratch = Path(tempfile.mkdtemp(prefix="kcoral-handover-"))
-    argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "warning", "broker", "--listen", url]
-    argv += ["--run-dir", str(scratch / "run"), *flags]
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    with open(scratch / "broker.log", "wb") as out:
-        process = subprocess.Popen(argv, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"broker not ready: {(scratch / 'broker.log').read_text()}")
-            with contextlib.suppress(KCoralError):
-                with Client(url, connect_timeout_seconds=2) as client:
-                    health = client.health()
-                if health["workers"]["idle"] >= health["workers"]["slots"]:
-                    break
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def hold_program(hold_ms: float, cuda: bool) -> Program:
@@ -150,7 +113,7 @@ def main() -> int:
     for round_ in range(1, args.rounds + 1):
         for checkout in checkouts:
             log(f"round {round_}: {checkout}")
-            with broker_from(checkout, flags) as url:
+            with broker(*flags, checkout=checkout) as (url, _process):
                 samples[str(checkout)].append(asyncio.run(measure(url, args.programs, args.hold_ms, gpu)))
     report: dict[str, Any] = {"machine": machine(), "gpu": gpu, "hold_ms": args.hold_ms, "checkouts": {}}
     rows = []

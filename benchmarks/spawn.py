@@ -2,6 +2,7 @@
 
     python benchmarks/spawn.py [--programs 300] [--in-flight 8] [--sandbox none|bubblewrap|both]
                                [--workers N] [--json out.json]
+    python benchmarks/spawn.py --checkout MAIN_TREE --checkout BRANCH_TREE --rounds 6 [--programs 40] ...
 
 Measured in one run, for a program that returns a constant from an uploaded function (its module
 imports torch, which the zygote has already imported):
@@ -16,6 +17,11 @@ imports torch, which the zygote has already imported):
   replaces (``import torch`` and a CUDA context in a new interpreter) is measured beside it. The
   rate measurements leave CUDA lazy (the default): the constant program never initialises it.
 
+With ``--checkout`` (twice or more) it compares versions instead, in one run: a broker per source
+tree and sandbox, all started at once, and the two rates measured in turns (the order rotating each
+round) for ``--rounds`` rounds, so that a load that comes and goes on a shared machine falls on
+each version alike; the table gives the median of the rounds and each tree's ratio to the first.
+
 Progress goes to stderr, the table to stdout.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import statistics
@@ -164,6 +171,56 @@ def broker_flags(sandbox: str, workers: int, gpu: bool) -> list[str]:
     return [*slots, "--sandbox", sandbox]
 
 
+def compare_checkouts(args: argparse.Namespace, workers: int, gpu: bool) -> int:
+    """The rates of each source tree and sandbox, measured in turns; medians and ratios."""
+    checkouts = [Path(c).resolve() for c in args.checkout]
+    sandboxes = ("none", "bubblewrap") if args.sandbox == "both" else (args.sandbox,)
+    cases = [(c, s) for s in sandboxes for c in checkouts]
+    rates: dict[tuple[Path, str], list[tuple[float, float]]] = {case: [] for case in cases}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for checkout, sandbox in cases:
+            log(f"starting a broker from {checkout}, sandbox {sandbox}")
+            urls[checkout, sandbox] = stack.enter_context(
+                broker(*broker_flags(sandbox, workers, gpu), checkout=checkout)
+            )[0]
+        for round_ in range(args.rounds):
+            for checkout, sandbox in cases[round_ % len(cases) :] + cases[: round_ % len(cases)]:
+                label = f"round {round_ + 1}, {checkout.name}, {sandbox}"
+                url = urls[checkout, sandbox]
+                one = sequential_rate(url, args.programs, f"{label}, one at a time")
+                many = asyncio.run(
+                    concurrent_rate(url, args.programs, args.in_flight, f"{label}, {args.in_flight} at once")
+                )
+                rates[checkout, sandbox].append((one, many))
+    report: dict[str, Any] = {"machine": machine(), "gpu": gpu, "workers": workers, "rounds": args.rounds, "cases": []}
+    rows: list[list[Any]] = []
+    for sandbox in sandboxes:
+        first = None
+        for checkout in checkouts:
+            runs = rates[checkout, sandbox]
+            one = statistics.median(r[0] for r in runs)
+            many = statistics.median(r[1] for r in runs)
+            first = first or (one, many)
+            rows.append([f"{checkout}, sandbox {sandbox}", one, many, one / first[0], many / first[1]])
+            report["cases"].append(
+                {
+                    "checkout": str(checkout),
+                    "sandbox": sandbox,
+                    "sequential_per_s": one,
+                    "concurrent_per_s": many,
+                    "rounds": runs,
+                }
+            )
+    print_table(
+        f"Programs per second, median of {args.rounds} rounds ({machine()}, {workers} worker slot(s), GPU: {gpu})",
+        ["source tree", "one at a time", f"{args.in_flight} in flight", "ratio (one)", f"ratio ({args.in_flight})"],
+        rows,
+    )
+    save_json(args.json, report)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--programs", type=int, default=300, help="programs per kcoral measurement")
@@ -173,12 +230,16 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=None, help="worker slots (default: CPU cores, at most 8)")
     parser.add_argument("--replacements", type=int, default=8, help="programs for the exit -> READY measurement")
     parser.add_argument("--json", default=None, help="save the numbers here")
+    parser.add_argument("--checkout", action="append", default=None, help="compare brokers run from these trees")
+    parser.add_argument("--rounds", type=int, default=6, help="turns per tree and sandbox (with --checkout)")
     args = parser.parse_args()
 
     gpu = has_gpu()
     workers = args.workers or min(8, os.cpu_count() or 2)
     sandboxes = ("none", "bubblewrap") if args.sandbox == "both" else (args.sandbox,)
     log(f"{machine()}; GPU: {gpu}; {workers} worker slot(s); sandbox: {', '.join(sandboxes)}")
+    if args.checkout:
+        return compare_checkouts(args, workers, gpu)
 
     report: dict[str, Any] = {"machine": machine(), "gpu": gpu, "workers": workers, "in_flight": args.in_flight}
     rows: list[list[Any]] = []
