@@ -446,10 +446,6 @@ def _broker(args: argparse.Namespace) -> int:
                 log.error("broker_cannot_start", error=f"{exc} (or --sandbox auto to run without it here)")
                 return EXIT_CONFIG
             sandbox, sandbox_reason = "none", f"--sandbox auto, and bubblewrap cannot run here: {exc}"
-    if sandbox == "none":
-        # Loud: programs then share the broker's user, files and network, and nothing but the
-        # process limits stands between them (see the README, "Worker limits").
-        log.warning("sandbox_none_programs_not_isolated", reason=sandbox_reason)
     workers = args.workers or max(1, min(4, (os.cpu_count() or 2)))
     limits = {
         "memory_bytes": args.memory_limit if args.memory_limit is not None else _default_memory_limit(args, workers),

@@ -191,6 +191,10 @@ class Broker(ProgramIntake):
             sandbox=self.settings.sandbox,
             instance_id=self.instance_id,
         )
+        if self.settings.sandbox == "none":
+            # Loud: programs then share the broker's user, files and network, and nothing but the
+            # process limits stands between them (see the README, "Worker limits").
+            log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
         await self.stopped.wait()
         await self.close()
         return 0
