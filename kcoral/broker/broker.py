@@ -497,6 +497,8 @@ class Broker(ProgramIntake):
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
         if info.get("reusable") and slots.reusable(worker, self.settings.max_programs_per_worker, self.held_leases):
             self.idle[worker.identity] = worker
+        elif not worker.exited:
+            self.supervisor.prepare_next_worker(worker.slot)
         elif info.get("retire_reason"):
             log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
         response_bytes = sum(len(f) for f in data)

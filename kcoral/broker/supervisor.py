@@ -130,6 +130,11 @@ class Supervisor:
             state.kill_asked = (state.worker, time.monotonic())
         self._command(slot, {"cmd": "kill"})
 
+    def prepare_next_worker(self, slot: int) -> None:
+        """The slot's worker sent its last result: fork its successor now, while it exits. The
+        zygote announces the successor (and the broker uses it) only once the worker has exited."""
+        self._command(slot, {"cmd": "spare"})
+
     async def _check_liveness(self) -> None:
         """Kill a zygote that stopped speaking, or that did not kill its worker when told to."""
         while not self._stopping:

@@ -244,16 +244,19 @@ def kill_all(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
             pass
 
 
-def kill_processes(infos: Iterable[ProcessInfo]) -> None:
-    """SIGKILL each process, and first each process group they are in (except ours).
+def kill_processes(infos: Iterable[ProcessInfo], *, spare_groups: Iterable[int] = ()) -> None:
+    """SIGKILL each process, and first each process group they are in (except ours and
+    ``spare_groups``).
 
     A group kill reaches every member at once, those being forked at that moment included, where
     kills by pid race a fork bomb. Only processes in sessions of their own (a worker's, or those
-    its programs made) can share those groups, so no process outside the tree is hit.
+    its programs made) can share those groups, so no process outside the tree is hit; but a dead
+    group leader's pid can be reused, by a new worker that then leads a group of that number, so
+    the groups of the processes being spared are never killed.
     """
     chosen = list(infos)
-    own = os.getpgrp()
-    for group in {info.pgrp for info in chosen if info.pgrp not in (own, 0)}:
+    skipped = {os.getpgrp(), 0, *spare_groups}
+    for group in {info.pgrp for info in chosen if info.pgrp not in skipped}:
         try:
             os.killpg(group, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -291,7 +294,7 @@ def kill_descendants(root: int, *, spare: frozenset[int] | set[int] = frozenset(
             remaining = True
         if not remaining or time.monotonic() > deadline:
             return list(killed.values())
-        kill_processes(alive)
+        kill_processes(alive, spare_groups=spare)
         time.sleep(KILL_PAUSE_SECONDS)
 
 
@@ -375,19 +378,30 @@ def private_memory(pids: Iterable[int]) -> int:
     return total_kib * 1024
 
 
-def apply_rlimits(limits: dict[str, int]) -> None:
-    """Set the per-process rlimits for ``limits`` (0 or missing: no limit).
+def rlimit_values(limits: dict[str, int]) -> dict[int, tuple[int, int]]:
+    """The (soft, hard) value of each of :data:`RLIMITS` once ``limits`` are applied here.
 
     Never above the current hard limit: raising that needs privileges we may lack.
     """
-    for name, value in limits.items():
-        which = RLIMITS.get(name)
-        if not value or which is None:
+    values = {}
+    for name, which in RLIMITS.items():
+        value = limits.get(name)
+        current = resource.getrlimit(which)
+        if not value:
+            values[which] = current
             continue
-        _soft, hard = resource.getrlimit(which)
+        hard = current[1]
         if hard != resource.RLIM_INFINITY:
             value = min(value, hard)
-        resource.setrlimit(which, (value, value))
+        values[which] = (value, value)
+    return values
+
+
+def apply_rlimits(limits: dict[str, int]) -> None:
+    """Set the per-process rlimits for ``limits`` (0 or missing: no limit)."""
+    for which, value in rlimit_values(limits).items():
+        if resource.getrlimit(which) != value:
+            resource.setrlimit(which, value)
 
 
 def format_bytes(count: int) -> str:

@@ -206,6 +206,9 @@ def run_worker(settings: WorkerSettings) -> int:
                 return 0
             if command != protocol.PROGRAM:
                 continue
+            # Dumpable from now on, so that the zygote's watchdog can read this process's memory
+            # use; not before, while a spare beside the previous program (see the zygote).
+            processes.set_dumpable(True)
             try:
                 outcome = _execute_message(body, data, settings, socket)
             except Exception as exc:  # a bug of ours, or a program that broke the worker's own state

@@ -34,10 +34,12 @@ for why those two are not rlimits alone), and kills all of them when the worker 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
 import os
+import resource
 import secrets
 import selectors
 import signal
@@ -56,6 +58,7 @@ FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
+RETIRE_GRACE_SECONDS = 5.0  # a worker the broker has the last result of has this long to exit
 KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
 WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples the processes of the program
 # The workspace walk costs about 1 ms per 1,000 entries on the 2-core VM: it runs at most this
@@ -114,9 +117,8 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, boar
         os.close(devnull)
         os.dup2(2, 1)  # not the zygote's event pipe: stray output before capture goes to the log
         processes.BOARD = board
-        # The zygote is not dumpable (see serve); its worker must be, so that the zygote's
-        # watchdog can read the worker's memory use in /proc.
-        processes.set_dumpable(True)
+        # Not dumpable, like the zygote, until it gets a program (see run_worker): a spare forked
+        # while the previous program still runs can be neither read nor written by that program.
         os.setsid()  # its own session and group: one killpg reaches what it starts
         processes.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
@@ -167,13 +169,19 @@ class Child:
     board: processes.ProgressBoard  # its own: another worker's program cannot write it
     kill_reason: str = ""  # why we killed it, when we did
     kill_requested: bool = False  # the broker asked for the kill
+    done_at: float | None = None  # when the broker said it had its last result: now it only exits
 
 
 class Zygote:
-    """Forks workers for one slot, one at a time, and reports their exits.
+    """Forks workers for one slot and reports their exits; one worker serves at a time.
 
-    A worker is forked only once the previous one has exited and everything it started is dead,
-    and the workspace has been wiped.
+    The ``current`` worker is the one the broker knows (announced with ``forked``). When the broker
+    has its last result (command ``spare``) the next worker is forked at once, while the current
+    one is still exiting (a process with a CUDA context takes a hundred milliseconds or more), but
+    it stays a ``spare``: unannounced, so the broker gives it nothing. Only once the current worker
+    has exited, everything it started is dead and the workspace is wiped is the spare checked
+    (see :meth:`fit_to_serve`) and announced. A worker that does not exit within
+    RETIRE_GRACE_SECONDS of its last result is killed.
     """
 
     def __init__(self, settings: ZygoteSettings) -> None:
@@ -181,12 +189,14 @@ class Zygote:
         self.generation = 0
         self.stopping = False
         self.current: Child | None = None
+        self.spare: Child | None = None
         self.selector = selectors.DefaultSelector()
         self.pending_input = b""
         self.crashes = 0
         self.next_watch = 0.0
         self.next_workspace_sample = 0.0
         self.next_alive = 0.0
+        self.expected = SpareState.of_this_process(settings.limits)
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -229,16 +239,23 @@ class Zygote:
                         )
                     )
                 workspace.wipe(self.settings.workspace)
-                self.fork_worker()
+                self.announce_next()
             self.wait_for_event()
-        if self.current is not None:
-            self.kill(self.current, "")
-        while self.current is not None:
+        for child in self.children():
+            self.kill(child, "")
+        while self.current is not None or self.spare is not None:
             self.wait_for_event()
         workspace.wipe(self.settings.workspace)
         return 0
 
-    def fork_worker(self) -> None:
+    def children(self) -> list[Child]:
+        return [c for c in (self.current, self.spare) if c is not None]
+
+    def spared(self) -> set[int]:
+        """The spare's pid: the one process below us that is not the running program's."""
+        return {self.spare.pid} if self.spare is not None else set()
+
+    def fork_worker(self) -> Child:
         self.generation += 1
         # Unguessable and never reused: inside a sandbox every zygote is pid 2, and the broker only
         # takes work-carrying READYs from the identity this zygote reports as forked.
@@ -254,38 +271,76 @@ class Zygote:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
             pidfd = None  # old kernels: wait_for_event polls instead
+        # Its limits set from here as well as by itself: fit_to_serve compares them at once.
+        for which, value in processes.rlimit_values(self.settings.limits).items():
+            with contextlib.suppress(OSError):
+                resource.prlimit(pid, which, value)
         child = Child(pid, identity, pidfd, time.monotonic(), board)
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, child)
+        return child
+
+    def announce_next(self) -> None:
+        """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
+        spare, self.spare = self.spare, None
+        if spare is not None and not self.fit_to_serve(spare):
+            self.discard(spare)
+            spare = None
+        child = spare if spare is not None else self.fork_worker()
         self.current = child
-        now = time.monotonic()
-        self.next_workspace_sample = now + WORKSPACE_SAMPLE_SECONDS
-        emit("forked", worker=identity, pid=pid)
+        self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
+        emit("forked", worker=child.identity, pid=child.pid)
+
+    def fit_to_serve(self, spare: Child) -> bool:
+        """Whether the spare is as forked: the program that ran beside it (the same user) could
+        have stopped it, or changed its priority, scheduling, CPUs or limits, none of which it
+        could undo. It could not read or write it (a worker is not dumpable until it has a program)."""
+        try:
+            os.kill(spare.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        info = processes.read_process(spare.pid)
+        return info is not None and info.state not in "TtZX" and SpareState.of(spare.pid) == self.expected
+
+    def discard(self, child: Child) -> None:
+        """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
+        _kill_group(child.pid)
+        if child.pidfd is not None:
+            self.selector.unregister(child.pidfd)
+            os.close(child.pidfd)
+            child.pidfd = None
+        try:
+            os.waitpid(child.pid, 0)
+        except ChildProcessError:
+            pass
 
     def wait_for_event(self) -> None:
-        """Handle what happens next: a command, the worker's exit, a watchdog sample."""
-        child = self.current
+        """Handle what happens next: a command, a worker's exit, a watchdog sample."""
         now = time.monotonic()
         timeout = max(0.0, self.next_alive - now)
-        if child is not None and (child.pidfd is None or self.settings.watched):
+        if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.settings.watched):
             timeout = min(timeout, WATCH_INTERVAL_SECONDS)
         for key, _ in self.selector.select(timeout=timeout):
             if key.data == "commands":
                 self.read_commands()
             else:
                 self.on_exit(key.data)
-        if self.current is not None and self.current.pidfd is None:
-            self.on_exit(self.current)
+        for child in self.children():
+            if child.pidfd is None:
+                self.on_exit(child)
         now = time.monotonic()
-        if self.current is not None and self.settings.watched and now >= self.next_watch:
+        current = self.current
+        if current is not None and current.done_at is not None and now - current.done_at > RETIRE_GRACE_SECONDS:
+            self.kill(current, f"it did not exit within {RETIRE_GRACE_SECONDS:g} s of its last result")
+        if current is not None and self.settings.watched and now >= self.next_watch:
             self.next_watch = now + WATCH_INTERVAL_SECONDS
-            self.watch(self.current)
+            self.watch(current)
         if now >= self.next_alive:
             self.next_alive = now + ALIVE_INTERVAL_SECONDS
             emit("alive")
 
     def on_exit(self, child: Child) -> None:
-        if child is not self.current:
+        if child is not self.current and child is not self.spare:
             return  # reported already, in the same round of events
         try:
             pid, status = os.waitpid(child.pid, os.WNOHANG)
@@ -297,9 +352,13 @@ class Zygote:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
             child.pidfd = None
-        # Everything below us now is what the program left (we are the subreaper, and children it
-        # made with CLONE_PARENT are ours from the start): kill all of it before saying "exited".
-        leftovers = processes.kill_descendants(os.getpid())
+        if child is self.spare:
+            self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
+            return
+        # Everything below us now but the spare is what the program left (we are the subreaper,
+        # and children it made with CLONE_PARENT are ours from the start): kill all of it before
+        # saying "exited".
+        leftovers = processes.kill_descendants(os.getpid(), spare=self.spared())
         self.current = None
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
@@ -328,8 +387,9 @@ class Zygote:
             return
         limits = self.settings.limits
         most = limits.get("processes") or None
-        # Every process below the zygote: the worker's tree and those it made with CLONE_PARENT.
-        tree = processes.descendants(os.getpid(), most)
+        # Every process below the zygote but the spare: the worker's tree and those it made with
+        # CLONE_PARENT.
+        tree = processes.descendants(os.getpid(), most, spare=self.spared())
         breach = processes.limit_breach(tree, limits)
         if breach is None and limits.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
             breach = self.workspace_breach(limits["workspace_bytes"])
@@ -349,14 +409,20 @@ class Zygote:
         return None
 
     def kill(self, child: Child, reason: str) -> None:
-        """Kill the worker and every other process below us; on_exit reaps it and reports."""
+        """Kill a worker; the current one with every other process below us but the spare.
+        on_exit reaps it and reports."""
         if not child.kill_reason:
             child.kill_reason = reason
         _kill_group(child.pid)
+        if child is not self.current:
+            return
         # The group kill got the bulk; this bounded walk gets the others (other groups, children
         # made with CLONE_PARENT), and kill_descendants in on_exit whatever is left.
-        tree = processes.descendants(os.getpid(), KILL_WALK_MOST)
-        processes.kill_processes(info for info in map(processes.read_process, tree) if info is not None)
+        spared = self.spared()
+        tree = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=spared)
+        processes.kill_processes(
+            (info for info in map(processes.read_process, tree) if info is not None), spare_groups=spared
+        )
 
     def read_commands(self) -> None:
         try:
@@ -374,20 +440,58 @@ class Zygote:
                 command = json.loads(line)
             except ValueError:
                 continue
-            if command.get("cmd") == "kill" and self.current is not None:
+            what = command.get("cmd")
+            if what == "kill" and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
-            elif command.get("cmd") == "stop":
+            elif what == "spare" and self.current is not None and not self.stopping:
+                if self.current.done_at is None:
+                    self.current.done_at = time.monotonic()
+                if self.spare is None:
+                    self.spare = self.fork_worker()
+            elif what == "stop":
                 self.stop("")
 
     def stop(self, reason: str) -> None:
         self.stopping = True
-        if self.current is not None:
-            self.current.kill_requested = True
-            self.kill(self.current, reason)
+        for child in self.children():
+            child.kill_requested = True
+            self.kill(child, reason)
 
     def _on_broker_death(self, signum: int, frame: Any) -> None:
         self.stop("the broker went away")
+
+
+@dataclass(frozen=True)
+class SpareState:
+    """What another process of the same user can change in a worker and the worker cannot undo."""
+
+    priority: int
+    policy: int
+    cpus: frozenset[int]
+    rlimits: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, pid: int) -> SpareState | None:
+        try:
+            return cls(
+                os.getpriority(os.PRIO_PROCESS, pid),
+                os.sched_getscheduler(pid),
+                frozenset(os.sched_getaffinity(pid)),
+                tuple(resource.prlimit(pid, which) for which in processes.RLIMITS.values()),
+            )
+        except OSError:
+            return None
+
+    @classmethod
+    def of_this_process(cls, limits: dict[str, int]) -> SpareState:
+        """What a new worker has: this process's scheduling, the rlimits apply_rlimits sets."""
+        return cls(
+            os.getpriority(os.PRIO_PROCESS, 0),
+            os.sched_getscheduler(0),
+            frozenset(os.sched_getaffinity(0)),
+            tuple(processes.rlimit_values(limits).values()),
+        )
 
 
 def _kill_group(pid: int) -> None:
