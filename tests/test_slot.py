@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import os
 import textwrap
 import time
 import uuid
@@ -181,6 +182,62 @@ def test_1_a_program_keeps_its_slot_until_it_and_all_it_started_have_exited(
         assert [e for e in after.results["out"]["workspace"] if e != ".shm"] == [after.results["out"]["run_dir"]]
         # It started only once the spy had gone: it waited in the queue for the one slot.
         assert after.queue_ms > 700, after.queue_ms
+    finally:
+        assert single.stop() == 0
+
+
+TAMPERER = """
+import ctypes, os, signal, time
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+CLONE_PARENT = 0x8000
+def tamper_with_the_next_worker(seconds):
+    me = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0) != 0:
+        return "left a process beside the next worker"
+    # The zygote's child now, it outlives this worker until the zygote kills it.
+    zygote = os.getppid()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (me, os.getpid()):
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) != zygote:  # only this slot's workers: the zygote's children
+                    continue
+                pid = int(name)
+                os.setpriority(os.PRIO_PROCESS, pid, 19)
+                os.sched_setaffinity(pid, {min(os.sched_getaffinity(0))})
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
+        time.sleep(0.001)
+    os._exit(0)
+"""
+
+SCHEDULING = """
+import os
+def scheduling():
+    return os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0))
+"""
+
+
+def test_1_the_next_worker_is_untouched_by_what_the_previous_program_left(service: Service, tmp_path: Path) -> None:
+    # The next worker is forked while the previous one exits; a process the previous program left
+    # beside it (a child of the zygote, made with CLONE_PARENT) renices, pins and stops it.
+    single = start_broker(tmp_path, "--sandbox", service.sandbox, "--fake-gpus", "1")
+    try:
+        left = execute(single.url, program_of(TAMPERER, "tamper_with_the_next_worker", 2.0, cpu_only=True))
+        assert left.completed, left.error
+        after = execute(single.url, program_of(SCHEDULING, "scheduling"), timeout_seconds=10)
+        assert after.completed, after.error
+        priority, cpus = after.results["out"]
+        assert priority == os.getpriority(os.PRIO_PROCESS, 0)
+        assert cpus == sorted(os.sched_getaffinity(0))
+        print("spare discarded:", "spare_worker_discarded" in single.log())  # when the tamperer was in time
     finally:
         assert single.stop() == 0
 

@@ -273,6 +273,8 @@ class Supervisor:
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
+        elif kind == "spare_discarded":
+            log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
         elif kind == "exited":
             worker = str(event.get("worker"))
             if state.worker == worker:

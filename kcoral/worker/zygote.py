@@ -284,6 +284,7 @@ class Zygote:
         """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
         spare, self.spare = self.spare, None
         if spare is not None and not self.fit_to_serve(spare):
+            emit("spare_discarded", worker=spare.identity)
             self.discard(spare)
             spare = None
         child = spare if spare is not None else self.fork_worker()
