@@ -1,7 +1,7 @@
 """Fresh workers: programs per second through zygote-forked workers, against a subprocess each.
 
     python benchmarks/spawn.py [--programs 300] [--in-flight 8] [--sandbox none|bubblewrap|both]
-                               [--workers N] [--json out.json]
+                               [--workers N] [--all-gpus | --fake-gpus N] [--json out.json]
     python benchmarks/spawn.py --checkout MAIN_TREE --checkout BRANCH_TREE --rounds 6 [--programs 40] ...
 
 Measured in one run, for a program that returns a constant from an uploaded function (its module
@@ -16,6 +16,9 @@ imports torch, which the zygote has already imported):
   ``KCORAL_EAGER_CUDA=1``, so READY there includes the new worker's CUDA context; the cold start it
   replaces (``import torch`` and a CUDA context in a new interpreter) is measured beside it. The
   rate measurements leave CUDA lazy (the default): the constant program never initialises it.
+- with GPUs (``--all-gpus`` on a GPU host, ``--fake-gpus N`` anywhere) and bubblewrap, each worker
+  confines itself to its program's GPU before the program runs: the median time it took
+  (``result.worker["confinement_ms"]``) is reported beside the rates.
 
 With ``--checkout`` (twice or more) it compares versions instead, in one run: a broker per source
 tree and sandbox, all started at once, and the two rates measured in turns (the order rotating each
@@ -76,14 +79,21 @@ def check(result: ProgramResult) -> None:
         raise RuntimeError(f"the benchmark program failed: {result!r} {result.error}")
 
 
+CONFINEMENT_MS: list[float] = []  # result.worker["confinement_ms"] of the sequential runs
+
+
 def sequential_rate(url: str, count: int, label: str) -> float:
     program = constant_program()
+    CONFINEMENT_MS.clear()
     with Client(url) as client:
         for _ in range(min(8, count)):  # warm-up: connections, blob cache
             check(client.execute(program))
         start = time.perf_counter()
         for done in range(1, count + 1):
-            check(client.execute(program))
+            result = client.execute(program)
+            check(result)
+            if result.worker.get("confinement_ms") is not None:
+                CONFINEMENT_MS.append(float(result.worker["confinement_ms"]))
             progress(label, done, count)
         return count / (time.perf_counter() - start)
 
@@ -164,10 +174,26 @@ def cold_cuda_start_ms(runs: int) -> float:
     return statistics.median(samples)
 
 
-def broker_flags(sandbox: str, workers: int, gpu: bool) -> list[str]:
-    slots = (
-        ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", str(workers)] if gpu else ["--workers", str(workers)]
-    )
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def broker_flags(sandbox: str, workers: int, gpu: bool, all_gpus: bool = False, fake_gpus: int = 0) -> list[str]:
+    """``workers`` slots in all; on GPU 0 alone, or spread over every GPU with ``all_gpus`` (each
+    program then runs on one of them, and in bubblewrap its worker keeps only that GPU's node),
+    or over ``fake_gpus`` fake GPUs (stand-in device nodes: the same confinement, on a CPU host)."""
+    if fake_gpus:
+        slots = ["--fake-gpus", str(fake_gpus), "--workers-per-gpu", str(max(1, workers // fake_gpus))]
+    elif gpu and all_gpus:
+        slots = ["--device", "gpu", "--workers-per-gpu", str(max(1, workers // max(1, gpu_count())))]
+    elif gpu:
+        slots = ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", str(workers)]
+    else:
+        slots = ["--workers", str(workers)]
     return [*slots, "--sandbox", sandbox]
 
 
@@ -182,7 +208,7 @@ def compare_checkouts(args: argparse.Namespace, workers: int, gpu: bool) -> int:
         for checkout, sandbox in cases:
             log(f"starting a broker from {checkout}, sandbox {sandbox}")
             urls[checkout, sandbox] = stack.enter_context(
-                broker(*broker_flags(sandbox, workers, gpu), checkout=checkout)
+                broker(*broker_flags(sandbox, workers, gpu, args.all_gpus, args.fake_gpus), checkout=checkout)
             )[0]
         for round_ in range(args.rounds):
             for checkout, sandbox in cases[round_ % len(cases) :] + cases[: round_ % len(cases)]:
@@ -229,6 +255,8 @@ def main() -> int:
     parser.add_argument("--sandbox", choices=("none", "bubblewrap", "both"), default="none")
     parser.add_argument("--workers", type=int, default=None, help="worker slots (default: CPU cores, at most 8)")
     parser.add_argument("--replacements", type=int, default=8, help="programs for the exit -> READY measurement")
+    parser.add_argument("--all-gpus", action="store_true", help="slots on every GPU, not GPU 0 alone")
+    parser.add_argument("--fake-gpus", type=int, default=0, help="slots on N fake GPUs (a host without GPUs)")
     parser.add_argument("--json", default=None, help="save the numbers here")
     parser.add_argument("--checkout", action="append", default=None, help="compare brokers run from these trees")
     parser.add_argument("--rounds", type=int, default=6, help="turns per tree and sandbox (with --checkout)")
@@ -241,13 +269,21 @@ def main() -> int:
     if args.checkout:
         return compare_checkouts(args, workers, gpu)
 
-    report: dict[str, Any] = {"machine": machine(), "gpu": gpu, "workers": workers, "in_flight": args.in_flight}
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "gpu": gpu,
+        "gpus": args.fake_gpus or (gpu_count() if gpu and args.all_gpus else int(gpu)),
+        "workers": workers,
+        "in_flight": args.in_flight,
+    }
     rows: list[list[Any]] = []
     for sandbox in sandboxes:
         log(f"starting a broker, sandbox {sandbox}")
         try:
-            with broker(*broker_flags(sandbox, workers, gpu)) as (url, _process):
+            flags = broker_flags(sandbox, workers, gpu, args.all_gpus, args.fake_gpus)
+            with broker(*flags) as (url, _process):
                 one = sequential_rate(url, args.programs, f"kcoral {sandbox}, one at a time")
+                confinement = statistics.median(CONFINEMENT_MS) if CONFINEMENT_MS else None
                 many = asyncio.run(
                     concurrent_rate(url, args.programs, args.in_flight, f"kcoral {sandbox}, {args.in_flight} at once")
                 )
@@ -255,8 +291,10 @@ def main() -> int:
             log(f"sandbox {sandbox}: {exc}")
             rows.append([f"kcoral, zygote fork, sandbox {sandbox}", "failed", "failed"])
             continue
-        report[f"kcoral_{sandbox}"] = {"sequential_per_s": one, "concurrent_per_s": many}
+        report[f"kcoral_{sandbox}"] = {"sequential_per_s": one, "concurrent_per_s": many, "confinement_ms": confinement}
         rows.append([f"kcoral, zygote fork, sandbox {sandbox}", one, many])
+        if confinement is not None:
+            rows.append([f"  worker confinement to its GPU, median ms ({sandbox})", confinement, ""])
     measured = [s for s in sandboxes if f"kcoral_{s}" in report]
     if not measured:
         return 1
@@ -272,7 +310,7 @@ def main() -> int:
         report["sandbox_cost"] = cost
         rows.append(["bubblewrap cost (1 - boxed/plain)", cost["sequential_per_s"], cost["concurrent_per_s"]])
     print_table(
-        f"Programs per second ({machine()}, {workers} worker slot(s), GPU: {gpu})",
+        f"Programs per second ({machine()}, {workers} worker slot(s), GPUs: {report['gpus']})",
         ["what", "one at a time", f"{args.in_flight} in flight"],
         rows,
     )

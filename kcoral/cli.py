@@ -562,6 +562,9 @@ def _status(args: argparse.Namespace) -> int:
         f"{load.get('requests_in_progress')} running, {load.get('requests_waiting')} waiting"
     )
     print(f"gpus      {health.get('gpu_count')}  (fake: {health.get('fake_gpus', 0)})")
+    for gpu in (health.get("target") or {}).get("gpus") or []:  # the indices of gpu_ids and leases
+        print(f"  gpu {gpu.get('index')}: {gpu.get('name')} pci={gpu.get('pci_bus_id')} "
+              f"node={gpu.get('device_node')} {gpu.get('uuid')}")
     for gpu, lease in (health.get("leases") or {}).items():
         print(f"  lease {gpu}: holder={lease.get('holder')} waiters={len(lease.get('waiters') or [])}")
     if "workers" in health:  # a router has nodes instead of workers and a cache

@@ -17,6 +17,7 @@ import pytest
 from kcoral.sandbox import bubblewrap as sandbox
 from kcoral.sandbox.bubblewrap import (
     SANDBOX_ENV,
+    GpuBind,
     SandboxSpec,
     SandboxUnavailable,
     check_bwrap,
@@ -378,23 +379,48 @@ def test_environment_is_cleared_but_keeps_path_lang_pythonpath(slots: Slots, run
     assert inside["PATH"] == os.environ["PATH"]
     for name, value in SANDBOX_ENV.items():
         assert inside[name] == value
-    env = sandbox_environment(slots.spec(), {"PYTHONPATH": "/src", "SECRET": "x"})
+    env = sandbox_environment(
+        slots.spec(),
+        {
+            "PYTHONPATH": "/src",
+            "SECRET": "x",
+            "NCCL_NVLS_ENABLE": "0",
+            "CUDA_VISIBLE_DEVICES": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        },
+    )
     assert env["PYTHONPATH"] == "/src"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"  # the operator's NCCL settings
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert "SECRET" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in env  # the worker sets it per program
     assert env["PATH"] == sandbox.DEFAULT_PATH
 
 
-def test_only_the_chosen_gpu_nodes_are_exposed(slots: Slots, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_served_gpu_nodes_are_bound_with_the_capabilities_to_confine(
+    slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
     present = {f"/dev/nvidia{i}" for i in range(4)} | set(sandbox.NVIDIA_CONTROL_NODES)
     real_exists = os.path.exists
-    monkeypatch.setattr(os.path, "exists", lambda p: p in present or real_exists(p))
+    monkeypatch.setattr(os.path, "exists", lambda p: str(p) in present or real_exists(p))
 
-    argv = sandbox_argv(slots.spec(gpu_indices=(1, 7)), BWRAP)
-    dev_binds = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--dev-bind"]
-    assert dev_binds == ["/dev/nvidia1", *sandbox.NVIDIA_CONTROL_NODES]
+    # Minors need not be indices: GPU 0 is /dev/nvidia3 here; /dev/nvidia7 does not exist.
+    nodes = (
+        GpuBind(Path("/dev/nvidia3"), Path("/dev/nvidia3")),
+        GpuBind(Path("/dev/nvidia7"), Path("/dev/nvidia7")),
+        GpuBind(Path("/dev/nvidia1"), Path("/dev/nvidia1")),
+    )
+    argv = sandbox_argv(slots.spec(gpu_nodes=nodes), BWRAP)
+    dev_binds = [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == "--dev-bind"]
+    control = [(node, node) for node in sandbox.NVIDIA_CONTROL_NODES]
+    assert dev_binds == [("/dev/nvidia3", "/dev/nvidia3"), ("/dev/nvidia1", "/dev/nvidia1"), *control]
+    added = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--cap-add"]
+    assert added == list(sandbox.CONFINEMENT_CAPABILITIES)
+    assert argv.index("--cap-drop") < argv.index("--cap-add")  # bwrap applies drops, then adds
 
     cpu_only = sandbox_argv(slots.spec(), BWRAP)
     assert "--dev-bind" not in cpu_only
+    assert "--cap-add" not in cpu_only
 
 
 def test_network_namespace_is_shared_only_on_request(slots: Slots) -> None:
@@ -428,7 +454,7 @@ def test_zygote_imports_nothing_a_program_planted_in_the_workspace(slots: Slots)
     import importlib.util, json, os, sys
     print(json.dumps([importlib.util.find_spec("planted_module") is None, os.environ.get("KCORAL_PLANTED")]))
     """
-    argv = launcher.wrap([sys.executable, "-c", textwrap.dedent(code)], slot=0, workspace=slots.workspace, gpu=None)
+    argv = launcher.wrap([sys.executable, "-c", textwrap.dedent(code)], slot=0, workspace=slots.workspace, gpu_nodes={})
     done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert json.loads(output(done)) == [True, None]
     assert launcher.workspace_inside(slots.workspace) == Path("/workspace")

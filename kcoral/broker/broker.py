@@ -142,7 +142,8 @@ class Broker(ProgramIntake):
             placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
         else:
             placement = [None] * self.settings.workers
-        fake = self.target.fake
+        # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
+        gpu_nodes = launcher.gpu_binds(self.target)
         for slot, gpu in enumerate(placement):
             workspace = self.run_dir / "slots" / str(slot)
             argv = zygote_command(
@@ -154,8 +155,7 @@ class Broker(ProgramIntake):
                 limits=self.settings.limits,
                 preload=self.settings.preload,
             )
-            # A fake GPU has no device node to bind.
-            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu=None if fake else gpu)
+            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
             slots.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
         return slots
 
@@ -308,8 +308,20 @@ class Broker(ProgramIntake):
             request = self.queue.pop()
             if request is None:
                 return
-            worker = self._pick_worker()
+            worker = self._pick_worker(request.gpu_count)
+            if worker is None:
+                # Every idle worker is a reused one confined to a different number of GPUs (see
+                # kcoral.worker.confinement): retire one; its slot's fresh worker takes the program.
+                self._retire_idle_worker()
+                self.queue.push_front(request)
+                return
             self._start(request, worker)
+
+    def _retire_idle_worker(self) -> None:
+        identity, worker = self.idle.popitem()
+        self.workers.pop(identity, None)
+        log.info("worker_retired", worker=identity.decode(), reason="confined to other GPUs")
+        self.supervisor.kill_worker(worker.slot)
 
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program."""
@@ -320,14 +332,16 @@ class Broker(ProgramIntake):
                     load[gpu] += 1
         return load
 
-    def _pick_worker(self) -> Worker:
+    def _pick_worker(self, gpu_count: int) -> Worker | None:
+        """The least busy idle worker that can run a program on ``gpu_count`` GPUs, if any."""
         load = self._gpu_load()
 
         def busyness(identity: bytes) -> tuple[int, int]:
             worker = self.idle[identity]
             return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
 
-        return self.idle.pop(min(self.idle, key=busyness))
+        fits = [i for i, w in self.idle.items() if w.gpu_view is None or len(w.gpu_view) == gpu_count]
+        return self.idle.pop(min(fits, key=busyness)) if fits else None
 
     def _start(self, request: Request, worker: Worker) -> None:
         try:
@@ -338,10 +352,13 @@ class Broker(ProgramIntake):
             self.idle[worker.identity] = worker
             self._negotiate(request, progressed=True)
             return
-        if request.gpu_count:
+        if request.gpu_count and worker.gpu_view is not None:
+            request.gpu_ids = worker.gpu_view  # a reused worker sees these GPUs and no others
+        elif request.gpu_count:
             load = self._gpu_load()
             preferred = worker.gpu if worker.gpu in load else None
-            request.gpu_ids = choose_gpus(load, request.gpu_count, preferred)
+            # Sorted: CUDA numbers a program's GPUs in PCI (= index) order, so cuda:i is gpu_ids[i].
+            request.gpu_ids = tuple(sorted(choose_gpus(load, request.gpu_count, preferred)))
         request.state = "running"
         request.started_at = time.monotonic()
         request.worker = worker
@@ -495,12 +512,17 @@ class Broker(ProgramIntake):
             self.workers.pop(worker.identity, None)
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
-        if info.get("reusable") and slots.reusable(worker, self.settings.max_programs_per_worker, self.held_leases):
+        reusable = slots.reusable(worker, self.settings.max_programs_per_worker, self.held_leases)
+        if info.get("reusable") and reusable and worker.identity in self.workers:
+            view = info.get("gpu_view")
+            if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
+                worker.gpu_view = tuple(sorted(view))
             self.idle[worker.identity] = worker
-        elif not worker.exited:
-            self.supervisor.prepare_next_worker(worker.slot)
-        elif info.get("retire_reason"):
-            log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+        else:
+            if info.get("retire_reason"):
+                log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+            if not worker.exited:
+                self.supervisor.prepare_next_worker(worker.slot)
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.

@@ -23,6 +23,7 @@ class Worker:
     request_id: str | None = None
     exited: bool = False
     programs: int = 0  # programs sent to it: the broker, not the worker, decides on reuse
+    gpu_view: tuple[int, ...] | None = None  # the GPUs a reused sandboxed worker is confined to
 
 
 @dataclass

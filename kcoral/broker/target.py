@@ -1,7 +1,9 @@
 """What this host's programs run on: its GPUs (real or fake), found without initialising CUDA.
 
 The broker never creates a CUDA context itself (it would hold GPU memory and could disturb
-measurements), so GPUs are listed with ``nvidia-smi``.
+measurements), so GPUs are listed with ``nvidia-smi``. They are numbered in PCI bus order (programs
+run with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so CUDA numbers them alike), and each one's device node
+comes from the driver (:mod:`kcoral.sandbox.devices`): its minor is not always its index.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import zmq
 
 from kcoral import protocol
+from kcoral.sandbox.devices import GpuNode, gpu_nodes, normalize_bus_id, read_information_files
 
 NVIDIA_SMI_TIMEOUT_SECONDS = 20.0
 
@@ -26,10 +29,13 @@ class TargetError(RuntimeError):
 
 @dataclass(frozen=True)
 class GpuInfo:
-    index: int
+    index: int  # in PCI bus order: the broker's, NVML's and (with CUDA_DEVICE_ORDER=PCI_BUS_ID) CUDA's
     name: str
     compute_capability: str
     memory_mib: int
+    pci_bus_id: str = ""
+    uuid: str = ""
+    minor: int | None = None  # N of /dev/nvidiaN, from the driver; None when it could not be read
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class TargetInfo:
                     "name": g.name,
                     "compute_capability": g.compute_capability,
                     "memory_mib": g.memory_mib,
+                    "pci_bus_id": g.pci_bus_id,
+                    "uuid": g.uuid,
+                    "device_node": None if g.minor is None else f"/dev/nvidia{g.minor}",
                 }
                 for g in self.gpus
             ],
@@ -66,13 +75,16 @@ class TargetInfo:
         }
 
 
+NVIDIA_SMI_QUERY = "index,pci.bus_id,uuid,name,compute_cap,memory.total"
+
+
 def list_gpus() -> list[GpuInfo]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=index,name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
+            [smi, f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=NVIDIA_SMI_TIMEOUT_SECONDS,
@@ -80,12 +92,33 @@ def list_gpus() -> list[GpuInfo]:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    gpus = []
-    for line in out.strip().splitlines():
+    return number_gpus(out, gpu_nodes(read_information_files()))
+
+
+def number_gpus(smi_csv: str, nodes: list[GpuNode]) -> list[GpuInfo]:
+    """GPUs from ``nvidia-smi --query-gpu=...`` output (the fields of NVIDIA_SMI_QUERY), indexed in PCI bus order,
+    each with its device minor from the driver's ``nodes`` (matched by bus id).
+
+    Without the driver's files (``nodes`` empty) the minor is taken to be nvidia-smi's index, as on
+    most hosts; a GPU that the driver's files lack otherwise gets no minor (and no node to bind).
+    """
+    rows = []
+    for line in smi_csv.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 4 and parts[0].isdigit():
-            memory = int(parts[3]) if parts[3].isdigit() else 0
-            gpus.append(GpuInfo(int(parts[0]), parts[1], parts[2], memory))
+        if len(parts) < 6 or not parts[0].isdigit():
+            continue
+        try:
+            bus_id = normalize_bus_id(parts[1])
+        except ValueError:
+            continue
+        rows.append((bus_id, int(parts[0]), parts))
+    rows.sort()
+    minors = {node.bus_id: node.minor for node in nodes}
+    gpus = []
+    for index, (bus_id, smi_index, parts) in enumerate(rows):
+        minor = minors.get(bus_id) if nodes else smi_index
+        memory = int(parts[5]) if parts[5].isdigit() else 0
+        gpus.append(GpuInfo(index, parts[3], parts[4], memory, bus_id, parts[2], minor))
     return gpus
 
 

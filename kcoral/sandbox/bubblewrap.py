@@ -15,7 +15,10 @@ no capabilities, and a root filesystem assembled from scratch:
 * the broker's blob cache, read-only, at ``/blobs`` (a program opens the blobs it was given by
   digest; it cannot list the others' where the broker runs as root, see
   :mod:`kcoral.sandbox.launcher`);
-* only the slot's ``/dev/nvidiaN`` and the NVIDIA control nodes;
+* the device nodes of every GPU the broker serves (``/dev/nvidiaN``) and the NVIDIA control nodes;
+  each worker, before its program runs, keeps only the nodes of the GPUs the program leased and
+  then drops every capability (see :mod:`kcoral.worker.confinement`), for which the sandbox holds
+  ``CAP_SYS_ADMIN`` and ``CAP_SETPCAP`` in its own user namespace, never on the host;
 * an empty read-only ``/tmp``;
 * ``/dev/shm`` (POSIX shared memory and semaphores, torch's shared tensors): a private host
   directory of the slot, mounted both there and at ``/workspace/.shm``.
@@ -32,7 +35,8 @@ the broker's run directory) is absent, not merely read-only.
 Example::
 
     bwrap = check_bwrap()
-    spec = SandboxSpec(workspace=slot_dir, ipc_dir=run_dir / "ipc", gpu_indices=(0,))
+    spec = SandboxSpec(workspace=slot_dir, ipc_dir=run_dir / "ipc",
+                       gpu_nodes=(GpuBind(Path("/dev/nvidia0"), Path("/dev/nvidia0")),))
     argv = sandbox_argv(spec, bwrap, environ=os.environ)
     subprocess.Popen([*argv, "--", sys.executable, "-m", "kcoral.worker.zygote"])
 """
@@ -53,8 +57,10 @@ from typing import Final
 
 __all__ = [
     "BLOBS",
+    "CONFINEMENT_CAPABILITIES",
     "SANDBOX_ENV",
     "WORKSPACE",
+    "GpuBind",
     "SandboxSpec",
     "SandboxUnavailable",
     "check_bwrap",
@@ -75,11 +81,16 @@ SANDBOX_ENV: Final[Mapping[str, str]] = {
     "TORCH_HOME": "/workspace/cache/torch",
     "TRITON_CACHE_DIR": "/workspace/cache/triton",
     "CUDA_CACHE_PATH": "/workspace/cache/nv",
+    # Indices in PCI bus order, the broker's (see kcoral.sandbox.devices), not fastest first.
+    "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
 # Variables taken from the caller's environment when present. KCORAL_EAGER_CUDA is the zygote's
 # own switch (see kcoral.worker.zygote), set by the operator on the broker's environment.
 INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH", "KCORAL_EAGER_CUDA")
+# The operator's settings of the collective libraries, such as NCCL_NVLS_ENABLE=0 where NVLink
+# multicast must stay off: programs that use several GPUs get them as the broker has them.
+INHERITED_ENV_PREFIXES: Final = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")
 DEFAULT_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 
 # Directories of the runtime bound read-only when they exist. Top-level symlinks among them
@@ -107,6 +118,9 @@ NVIDIA_CONTROL_NODES: Final = (
     "/dev/nvidia-uvm-tools",
     "/dev/nvidia-caps",
 )
+# What a worker needs, inside the sandbox's user namespace only, to confine itself to its GPUs:
+# a mount namespace of its own (CAP_SYS_ADMIN) and an empty bounding set (CAP_SETPCAP).
+CONFINEMENT_CAPABILITIES: Final = ("CAP_SYS_ADMIN", "CAP_SETPCAP")
 CHECK_TIMEOUT_S: Final = 30.0
 
 HOW_TO_FIX: Final = (
@@ -122,6 +136,14 @@ class SandboxUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class GpuBind:
+    """One GPU's device node: where it is on the host (a stand-in file for fake GPUs) and inside."""
+
+    source: Path
+    inside: Path
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     """What one worker's sandbox contains.
 
@@ -130,11 +152,13 @@ class SandboxSpec:
     ``blob_dir`` is the broker's disk blob cache, bound read-only at ``/blobs``.
     ``shared_memory_dir`` is the slot's host directory behind ``/dev/shm`` (outside
     ``workspace``); without one, ``/dev/shm`` is an empty read-only directory.
+    ``gpu_nodes`` are the device nodes of every GPU the broker serves: given any, the sandbox keeps
+    the capabilities its workers need to confine themselves (:data:`CONFINEMENT_CAPABILITIES`).
     """
 
     workspace: Path
     ipc_dir: Path
-    gpu_indices: tuple[int, ...] = ()
+    gpu_nodes: tuple[GpuBind, ...] = ()
     readonly_paths: tuple[Path, ...] = ()
     blob_dir: Path | None = None
     uid: int = 1000
@@ -187,12 +211,14 @@ def check_bwrap(bwrap: Path | None = None) -> Path:
 
 
 def sandbox_environment(spec: SandboxSpec, environ: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s :data:`INHERITED_ENV`.
+    """The whole environment inside: :data:`SANDBOX_ENV` plus ``environ``'s :data:`INHERITED_ENV` and
+    the variables named with :data:`INHERITED_ENV_PREFIXES`.
 
     PATH falls back to :data:`DEFAULT_PATH` when ``environ`` has none.
     """
     del spec  # one environment fits every spec today; the argument keeps callers stable
     env = {name: environ[name] for name in INHERITED_ENV if environ.get(name)}
+    env.update({name: value for name, value in environ.items() if name.startswith(INHERITED_ENV_PREFIXES)})
     env.setdefault("PATH", DEFAULT_PATH)
     env.update(SANDBOX_ENV)
     return env
@@ -205,6 +231,9 @@ def sandbox_argv(spec: SandboxSpec, bwrap: Path, environ: Mapping[str, str] | No
     sandbox starts from a cleared environment (see :func:`sandbox_environment`).
     """
     argv = [str(bwrap), "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if spec.gpu_nodes:
+        for capability in CONFINEMENT_CAPABILITIES:
+            argv += ["--cap-add", capability]
     argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
     if spec.share_net:
         argv.append("--share-net")
@@ -218,8 +247,8 @@ def sandbox_argv(spec: SandboxSpec, bwrap: Path, environ: Mapping[str, str] | No
     argv += _mask_secrets(binds)
 
     argv += ["--proc", "/proc", "--dev", "/dev"]
-    for node in _device_nodes(spec.gpu_indices):
-        argv += ["--dev-bind", node, node]
+    for source, inside in _device_nodes(spec.gpu_nodes):
+        argv += ["--dev-bind", source, inside]
     # An empty read-only /tmp for programs that hard-code it; TMPDIR points into the workspace.
     argv += ["--dir", "/tmp"]
 
@@ -310,12 +339,11 @@ def _mask_secrets(binds: list[Path]) -> list[str]:
     return argv
 
 
-def _device_nodes(gpu_indices: tuple[int, ...]) -> list[str]:
-    """The chosen GPUs' nodes and, when any GPU is chosen, the shared control nodes."""
-    gpus = [f"/dev/nvidia{index}" for index in gpu_indices]
-    nodes = [node for node in gpus if os.path.exists(node)]
+def _device_nodes(gpu_nodes: tuple[GpuBind, ...]) -> list[tuple[str, str]]:
+    """(source, inside) of the GPUs' nodes and, when there are any, of the shared control nodes."""
+    nodes = [(str(g.source), str(g.inside)) for g in gpu_nodes if os.path.exists(g.source)]
     if nodes:
-        nodes += [node for node in NVIDIA_CONTROL_NODES if os.path.exists(node)]
+        nodes += [(node, node) for node in NVIDIA_CONTROL_NODES if os.path.exists(node)]
     return nodes
 
 

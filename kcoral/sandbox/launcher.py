@@ -5,17 +5,21 @@ at ``/workspace`` and is told that path (the broker hands paths to the zygote on
 line, so nothing else needs translating). What the sandbox holds is
 :mod:`kcoral.sandbox.bubblewrap`'s business; this module supplies the broker's side of it: the bwrap
 that was found to work, the ipc and blob cache directories, a shared-memory directory per slot,
-and the interpreter flags of a sandboxed zygote.
+the interpreter flags of a sandboxed zygote, and the device nodes of the broker's GPUs (each
+zygote's sandbox holds all of them; each worker keeps those of its program, see
+:mod:`kcoral.worker.confinement`), told to the zygote as ``--gpu-nodes``. Fake GPUs get stand-in
+files for nodes, so that the confinement is exercised on machines without GPUs.
 
 Example::
 
     launcher = zygote_launcher(settings, run_dir)  # raises SandboxUnavailable when bwrap fails
     argv = zygote_command(..., workspace=launcher.workspace_inside(workspace))
-    argv = launcher.wrap(argv, slot=0, workspace=workspace, gpu=None)
+    argv = launcher.wrap(argv, slot=0, workspace=workspace, gpu_nodes=launcher.gpu_binds(target))
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -25,10 +29,11 @@ from typing import TYPE_CHECKING, Final
 
 import structlog
 
-from kcoral.sandbox.bubblewrap import WORKSPACE, SandboxSpec, check_bwrap, sandbox_argv
+from kcoral.sandbox.bubblewrap import WORKSPACE, GpuBind, SandboxSpec, check_bwrap, sandbox_argv
 
 if TYPE_CHECKING:
     from kcoral.broker.broker import BrokerSettings
+    from kcoral.broker.target import TargetInfo
 
 __all__ = ["Bubblewrap", "Unsandboxed", "zygote_launcher"]
 
@@ -42,6 +47,8 @@ ZYGOTE_PYTHON_FLAGS: Final = ("-s", "-P")
 # The blob cache as the sandbox sees it: enterable, not listable. A program opens the blobs whose
 # digests it was given, and cannot enumerate other clients' uploads. Group and others get nothing.
 BLOB_DIR_MODE: Final = 0o311
+# A fake GPU's stand-in for its device node: a file anyone in the sandbox may open, as a node is.
+FAKE_NODE_MODE: Final = 0o666
 
 
 class Unsandboxed:
@@ -50,7 +57,10 @@ class Unsandboxed:
     def workspace_inside(self, workspace: Path) -> Path:
         return workspace
 
-    def wrap(self, argv: list[str], *, slot: int, workspace: Path, gpu: int | None) -> list[str]:
+    def gpu_binds(self, target: TargetInfo) -> dict[int, GpuBind]:
+        return {}  # every GPU is visible: CUDA_VISIBLE_DEVICES alone picks a program's
+
+    def wrap(self, argv: list[str], *, slot: int, workspace: Path, gpu_nodes: dict[int, GpuBind]) -> list[str]:
         return argv
 
 
@@ -68,20 +78,45 @@ class Bubblewrap:
     def workspace_inside(self, workspace: Path) -> Path:
         return WORKSPACE
 
-    def wrap(self, argv: list[str], *, slot: int, workspace: Path, gpu: int | None) -> list[str]:
+    def gpu_binds(self, target: TargetInfo) -> dict[int, GpuBind]:
+        """Each GPU's device node by index: the driver's node of a real GPU, a stand-in file
+        (``RUN_DIR/fake-dev/nvidiaN``, seen at ``/dev/nvidiaN``) for a fake one."""
+        if target.fake:
+            directory = self.run_dir / "fake-dev"
+            directory.mkdir(parents=True, exist_ok=True)
+            binds = {}
+            for index in target.lease_gpus:
+                stand_in = directory / f"nvidia{index}"
+                stand_in.write_text(f"fake GPU {index}\n")
+                stand_in.chmod(FAKE_NODE_MODE)
+                binds[index] = GpuBind(stand_in, Path(f"/dev/nvidia{index}"))
+            return binds
+        binds = {}
+        for gpu in target.gpus:
+            if gpu.minor is None:
+                log.warning("gpu_without_device_node", gpu=gpu.index, pci_bus_id=gpu.pci_bus_id)
+                continue
+            node = Path(f"/dev/nvidia{gpu.minor}")
+            binds[gpu.index] = GpuBind(node, node)
+        return binds
+
+    def wrap(self, argv: list[str], *, slot: int, workspace: Path, gpu_nodes: dict[int, GpuBind]) -> list[str]:
         shared_memory = self.run_dir / "shm" / str(slot)
         for directory in (workspace, self.ipc_dir, shared_memory):
             directory.mkdir(parents=True, exist_ok=True)  # bwrap refuses a missing bind source
         spec = SandboxSpec(
             workspace=workspace,
             ipc_dir=self.ipc_dir,
-            gpu_indices=(gpu,) if gpu is not None else (),
+            gpu_nodes=tuple(gpu_nodes[index] for index in sorted(gpu_nodes)),
             readonly_paths=self.readonly_paths,
             blob_dir=self.blob_dir,
             shared_memory_dir=shared_memory,
         )
         if argv[:1] == [sys.executable]:
             argv = [argv[0], *ZYGOTE_PYTHON_FLAGS, *argv[1:]]
+        if gpu_nodes:
+            inside = {str(index): str(bind.inside) for index, bind in sorted(gpu_nodes.items())}
+            argv = [*argv, "--gpu-nodes", json.dumps(inside)]
         return [*sandbox_argv(spec, self.bwrap, self.environ), "--", *argv]
 
 

@@ -312,7 +312,13 @@ class Interpreter:
             return
         try:
             if torch.cuda.is_initialized():
-                torch.cuda.synchronize()
+                # Every GPU of the program that has a context, not only the current one: a
+                # multi-GPU program's lease covers them all, and work still queued on one would
+                # outlive the lease. (Synchronizing a GPU without a context would create one.)
+                has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+                for device in range(torch.cuda.device_count()):
+                    if has_context is None or has_context(device):
+                        torch.cuda.synchronize(device)
         except Exception as exc:
             if _is_cuda_poison(exc):
                 self.retire_reason = f"CUDA context unusable: {exc}"

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from kcoral import protocol
-from kcoral.worker import processes
+from kcoral.worker import confinement, processes
 from kcoral.worker.capture import OutputCapture
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
@@ -108,6 +108,8 @@ def execute_program(
     threads_before = set(threading.enumerate())
     start = time.monotonic()
     try:
+        # First of all: in a sandbox, keep only this program's GPUs and drop every capability.
+        refusal = confinement.confine(gpu_ids)
         for sub in ("work", "home", "tmp"):
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
         os.environ.update(
@@ -117,10 +119,11 @@ def execute_program(
         )
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            os.environ["CUDA_VISIBLE_DEVICES"] = confinement.visible_devices(gpu_ids)
         os.chdir(run_dir / "work")
         sys.path.insert(0, str(run_dir / "work"))
-        refusal = cuda_view_mismatch(gpu_ids)
+        if refusal is None and confinement.confined_to() is None:
+            refusal = cuda_view_mismatch(gpu_ids)
         with capture:
             error = interpreter.execute() if refusal is None else _program_error("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
@@ -180,6 +183,9 @@ def run_worker(settings: WorkerSettings) -> int:
     """The worker's main loop; returns the process exit code."""
     started_at = time.time()
     if os.environ.get("KCORAL_EAGER_CUDA") == "1":
+        # A sandboxed worker confines itself to its slot's GPU first: the context is made there.
+        if settings.gpu is not None and confinement.confine((settings.gpu,)) is None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = confinement.visible_devices((settings.gpu,))
         _create_cuda_context()
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
@@ -230,6 +236,9 @@ def run_worker(settings: WorkerSettings) -> int:
                 "started_at": started_at,
                 "ready_at": ready_at,
                 "finished_at": time.time(),
+                "confinement_ms": confinement.confinement_ms(),  # None: not sandboxed with GPUs
+                # The only GPUs this worker can serve again (None: any), see kcoral.worker.confinement.
+                "gpu_view": _listed(confinement.confined_to()),
                 **outcome.notes,
             }
             packed, frames = bounded_result(outcome.body, outcome.frames)
@@ -240,6 +249,10 @@ def run_worker(settings: WorkerSettings) -> int:
     finally:
         socket.close()
         context.term()
+
+
+def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
+    return None if gpus is None else list(gpus)
 
 
 def _create_cuda_context() -> None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kcoral.worker import processes, workspace
+from kcoral.worker import confinement, processes, workspace
 from kcoral.worker.state import reseed_generators
 
 EXIT_WORKER_CRASHED = 70
@@ -86,6 +86,7 @@ class ZygoteSettings:
     preload: tuple[str, ...] = ("numpy", "torch")
     limits: dict[str, int] = field(default_factory=dict)
     eager_cuda: bool = False  # workers create their CUDA context before READY (real GPUs only)
+    gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
 
     @property
     def watched(self) -> bool:
@@ -130,6 +131,8 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, boar
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
         # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
         # with EFBIG, which the program's result reports, instead of killing the worker.
+        confinement.configure(settings.gpu_nodes)
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
         if settings.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
         if settings.eager_cuda:
@@ -522,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-programs", type=int, default=1)
     parser.add_argument("--preload", default="numpy,torch")
     parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
+    parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
     args = parser.parse_args(argv)
     close_inherited_descriptors()
     limits = {str(k): int(v) for k, v in json.loads(args.limits).items()}
@@ -536,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         preload=tuple(p for p in args.preload.split(",") if p),
         limits=limits,
         eager_cuda=eager_cuda_wanted(args.gpu, os.environ),
+        gpu_nodes=None if args.gpu_nodes is None else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
     )
     return Zygote(settings).serve()
 
