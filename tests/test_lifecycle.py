@@ -171,9 +171,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]
 
 @pytest.fixture(scope="module")
 def reusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
-    """One worker that runs program after program (--max-programs-per-worker 0). No GPU: a worker
-    that held a GPU lease is never reused, since the lease goes back only when it exits."""
-    broker = start_broker(tmp_path_factory.mktemp("reusing"), "--workers", "1", "--max-programs-per-worker", "0")
+    """One worker that runs program after program (--max-programs-per-worker 0)."""
+    broker = start_broker(tmp_path_factory.mktemp("reusing"), "--fake-gpus", "1", "--max-programs-per-worker", "0")
     seen_pids.update(z["zygote_pid"] for z in health(broker.url)["workers"]["zygotes"])
     yield broker
     broker.stop()

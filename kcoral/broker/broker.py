@@ -512,8 +512,11 @@ class Broker(ProgramIntake):
             self.workers.pop(worker.identity, None)
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
-        reusable = slots.reusable(worker, self.settings.max_programs_per_worker, self.held_leases)
+        reusable = slots.reusable(worker, self.settings.max_programs_per_worker)
         if info.get("reusable") and reusable and worker.identity in self.workers:
+            holder = self.held_leases.pop(worker.identity, None)
+            if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
+                self.leases.release(holder)
             view = info.get("gpu_view")
             if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
                 worker.gpu_view = tuple(sorted(view))

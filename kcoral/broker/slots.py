@@ -9,7 +9,7 @@ which lease a worker holds, when that lease was asked for and granted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kcoral import protocol
@@ -36,13 +36,13 @@ def oversized_result(frames: Sequence[Any]) -> str | None:
     return None
 
 
-def reusable(worker: Worker, max_programs: int, held_leases: Mapping[bytes, str]) -> bool:
+def reusable(worker: Worker, max_programs: int) -> bool:
     """Whether ``worker`` may take another program: the broker's settings and records decide.
 
-    Never one that holds a GPU lease: the lease goes back only when the worker has exited.
+    Reuse (``--max-programs-per-worker`` other than 1) is the operator's choice to trust a worker
+    between programs (the programs of one process are kept apart by the worker itself, see
+    :mod:`kcoral.worker.state`); the GPU lease of a reused worker goes back with its result.
     """
-    if worker.identity in held_leases:
-        return False
     return max_programs == 0 or worker.programs < max_programs
 
 

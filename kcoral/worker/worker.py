@@ -169,9 +169,6 @@ def execute_program(
         if error is not None and error.get("instruction_index") is None:
             error["instruction_index"] = None
         interpreter.lease.note_end()
-        if interpreter.lease.granted_at is not None and not retire:
-            # The broker gives the GPU back only when this process has exited.
-            retire, reason = True, "it held the GPU lease, which only its exit gives back"
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
         if saved is not None:
