@@ -5,111 +5,50 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kcoral import Client, KCoralError, Program
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kcoral import Program
+from kcoral.testing import free_port as free_port
+from kcoral.testing import running_broker, start_router, wait_ready
 
 
 @contextlib.contextmanager
-def broker(
-    *flags: str, log_path: Path | None = None, checkout: Path | None = None
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Start ``kcoral broker`` on a free loopback port; stop it (SIGTERM) afterwards.
+def broker(*flags: str, checkout: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``kcoral broker`` on a free loopback port, every slot ready; stop it (SIGTERM) afterwards.
 
-    ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions.
+    ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions;
+    PYTHONSAFEPATH keeps the working directory, otherwise first on ``sys.path``, from winning.
     """
-    url = f"tcp://127.0.0.1:{free_port()}"
-    run_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
-    log_path = log_path or run_dir.with_suffix(".log")
-    argv = [
-        sys.executable,
-        "-m",
-        "kcoral.cli",
-        "--log-level",
-        "warning",
-        "broker",
-        "--listen",
-        url,
-        "--run-dir",
-        str(run_dir / "run"),
-        *flags,
-    ]
-    env = None if checkout is None else dict(os.environ, PYTHONPATH=str(checkout))
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=checkout, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"broker exited: {log_path.read_text()}")
-            try:
-                with Client(url, connect_timeout_seconds=2) as client:
-                    health = client.health()
-                if health["workers"]["idle"] >= health["workers"]["slots"]:
-                    break
-            except KCoralError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"broker not ready: {log_path.read_text()}")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
+    env = None if checkout is None else {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1"}
+    # A sandboxed broker on a loaded machine can take a minute and more to fork all its zygotes.
+    with running_broker(work_dir, *flags, log_level="warning", timeout_seconds=120, env=env) as service:
+        yield service.url, service.process
 
 
 @contextlib.contextmanager
 def router(nodes: int, *broker_flags: str) -> Iterator[str]:
     """Start ``kcoral router`` and ``nodes`` brokers that join it; yield the router's client URL once
     every node is live. Everything is stopped (SIGTERM) afterwards."""
-    url, nodes_url = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    log_path = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-")) / "router.log"
-    argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "warning", "router"]
-    argv += ["--listen", url, "--nodes-listen", nodes_url]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
+    service = start_router(work_dir, log_level="warning")
     try:
         with contextlib.ExitStack() as stack:
             for index in range(nodes):
-                flags = ("--upstream", nodes_url, "--node-id", f"node-{index}", *broker_flags)
+                assert service.nodes_url is not None
+                flags = ("--upstream", service.nodes_url, "--node-id", f"node-{index}", *broker_flags)
                 stack.enter_context(broker(*flags))
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(KCoralError), Client(url, connect_timeout_seconds=2) as client:
-                    live = [n for n in client.health().get("nodes", []) if n.get("state") == "live"]
-                    if len(live) >= nodes:
-                        break
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"router not ready: {log_path.read_text()}")
-                time.sleep(0.2)
-            yield url
+            wait_ready(service, lambda health: sum(n.get("state") == "live" for n in health["nodes"]) >= nodes)
+            yield service.url
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        service.stop()
 
 
 def constant_program(value: object = 1) -> Program:

@@ -1,11 +1,13 @@
 """What a worker's confinement to its GPUs costs: ``kcoral.worker.confinement.confine`` in forked
 children of a process inside the production bubblewrap sandbox, with N stand-in GPU nodes.
 
-    python benchmarks/confinement.py [--gpus 8] [--runs 50]
+    python benchmarks/confinement.py [--gpus 8] [--runs 50] [--pause-ms 20]
 
 Each run forks a child (as the zygote forks a worker), which confines itself to one GPU (then to
 half of them, on alternate runs) and exits; the parent reports the median and p90 of the time the
-child spent in ``confine`` and of the whole fork-to-exit. Runs anywhere bubblewrap runs (no GPU).
+child spent in ``confine`` and of the whole fork-to-exit. ``--pause-ms`` between runs stands for a
+program's own run time (0: back to back, when each child's unshare meets the teardown of the
+previous child's mount namespace). Runs anywhere bubblewrap runs (no GPU).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ INSIDE = """
 import json, os, statistics, sys, time
 from kcoral.worker import confinement
 
-gpus, runs = int(sys.argv[1]), int(sys.argv[2])
+gpus, runs, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]) / 1000
 nodes = {i: f"/dev/nvidia{i}" for i in range(gpus)}
 confine_ms, fork_ms = {1: [], gpus // 2 or 1: []}, {1: [], gpus // 2 or 1: []}
 for run in range(runs):
+    time.sleep(pause)
     count = 1 if run % 2 == 0 else (gpus // 2 or 1)
     read, write = os.pipe()
     start = time.perf_counter()
@@ -65,6 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--pause-ms", type=float, default=20.0)
     args = parser.parse_args()
     bwrap = check_bwrap()
     with tempfile.TemporaryDirectory(prefix="kcoral-confinement-") as scratch:
@@ -81,7 +85,7 @@ def main() -> int:
         argv = sandbox_argv(spec, bwrap, environ=os.environ)
         code = textwrap.dedent(INSIDE)
         done = subprocess.run(
-            [*argv, "--", sys.executable, "-c", code, str(args.gpus), str(args.runs)],
+            [*argv, "--", sys.executable, "-c", code, str(args.gpus), str(args.runs), str(args.pause_ms)],
             capture_output=True,
             text=True,
             timeout=300,
@@ -101,7 +105,7 @@ def main() -> int:
         for count, r in report.items()
     ]
     print_table(
-        f"Worker confinement ({machine()}, {args.runs} forks)",
+        f"Worker confinement ({machine()}, {args.runs} forks, {args.pause_ms:g} ms apart)",
         ["kept", "confine median ms", "confine p90 ms", "fork to exit median ms"],
         rows,
     )

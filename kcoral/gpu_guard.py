@@ -1,6 +1,6 @@
 """``GpuAccessGuard``: fail CUDA use inside a ``cpu_only`` function.
 
-Uploaded code and the worker reach it through ``kcoral.builtins``; cupti-python is imported inside
+Uploaded code reaches it through ``kcoral.builtins``, the worker's interpreter directly; cupti-python is imported inside
 the guard, and torch only looked up in ``sys.modules``, so importing this module stays cheap and
 initialises nothing.
 """

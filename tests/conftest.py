@@ -1,30 +1,16 @@
-"""Fixtures that start real ``kcoral broker`` processes on loopback and stop them afterwards."""
+"""Fixtures that start real ``kcoral broker`` processes on loopback (``kcoral.testing``) and stop them afterwards."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kcoral import Client, KCoralError
-
-START_TIMEOUT_SECONDS = 60.0
-STOP_TIMEOUT_SECONDS = 20.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kcoral import Client, testing
+from kcoral.testing import RunningService as RunningBroker
+from kcoral.testing import free_port as free_port
 
 
 def has_gpu() -> bool:
@@ -36,76 +22,12 @@ def has_gpu() -> bool:
         return False
 
 
-@dataclass
-class RunningBroker:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    run_dir: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(STOP_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"broker exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            with Client(url, connect_timeout_seconds=2.0) as client:
-                health = client.health()
-            # Every slot ready: otherwise which GPUs programs land on depends on start-up order.
-            if health["workers"]["idle"] >= health["workers"]["slots"]:
-                return
-        except KCoralError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"broker did not become healthy:\n{log_path.read_text()}")
-
-
 def start_broker(
     tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
 ) -> RunningBroker:
-    port = port or free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    run_dir = tmp_path / f"run-{port}"
-    log_path = tmp_path / f"broker-{port}.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "kcoral.cli",
-        "--log-level",
-        "debug",
-        "broker",
-        "--listen",
-        url,
-        "--run-dir",
-        str(run_dir),
-        *args,
-    ]
-    if "--sandbox" not in args:
-        argv += ["--sandbox", "none"]
-    full_env = dict(os.environ, **(env or {}))
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    broker = RunningBroker(url, process, log_path, run_dir)
-    try:
-        wait_healthy(url, process, log_path)
-    except BaseException:
-        broker.stop(signal.SIGKILL)
-        raise
-    return broker
+    """A broker for a test: debug logs, and no sandbox unless the test asks for one."""
+    sandbox = () if "--sandbox" in args else ("--sandbox", "none")
+    return testing.start_broker(tmp_path, *args, *sandbox, port=port, env=env)
 
 
 BrokerFactory = Callable[..., RunningBroker]

@@ -164,7 +164,7 @@ def test_same_program_twice_and_new_process_each_time(client: Client) -> None:
 @pytest.mark.parametrize(
     ("source", "name", "kind", "op"),
     [
-        ("def f(:\n", "f", "compile", "upload"),
+        ("def f(:\n", "f", "parse", "upload"),
         ("raise ImportError('no such thing')\n", "f", "compile", "upload"),
         ("def f():\n    return 1\n", "missing", "compile", "get_function"),
         ("def f():\n    return 1 / 0\n", "f", "runtime", "run"),

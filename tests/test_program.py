@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kcoral import Program, protocol
-from kcoral.client.program import Ref, check_relative_path
+from kcoral.client.program import Ref
+from kcoral.protocol import check_relative_path
 
 
 def sha(data: bytes) -> str:

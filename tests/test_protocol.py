@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import enum
+import importlib
+import inspect
+import pkgutil
 import threading
+import types
 from typing import Any
 
 import msgpack
@@ -118,6 +122,26 @@ def test_command_bytes_are_distinct_and_named() -> None:
     assert len(commands) == len(set(commands)) == len(protocol.COMMAND_NAMES)
     assert all(isinstance(c, bytes) and len(c) == 1 for c in commands)
     assert protocol.CLIENT_COMMANDS.isdisjoint(protocol.WORKER_COMMANDS)
+
+
+def test_every_public_name_of_the_package_is_a_protocol_name() -> None:
+    # Callers write protocol.X whichever module of the package defines X; __all__ is that list.
+    defined: set[str] = set()
+    for info in pkgutil.iter_modules(protocol.__path__):
+        module = importlib.import_module(f"kcoral.protocol.{info.name}")
+        defined |= {name for name, value in vars(module).items() if _defined_in(value, name, module)}
+    assert defined <= set(protocol.__all__)
+    assert all(hasattr(protocol, name) for name in protocol.__all__)
+    assert len(protocol.__all__) == len(set(protocol.__all__))
+
+
+def _defined_in(value: Any, name: str, module: types.ModuleType) -> bool:
+    if name.startswith("_") or isinstance(value, types.ModuleType):
+        return False
+    if isinstance(value, (type, types.FunctionType)):
+        return value.__module__ == module.__name__
+    # A constant does not say where it was made: count those the module's source assigns itself.
+    return f"\n{name}: " in inspect.getsource(module) or f"\n{name} = " in inspect.getsource(module)
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -444,3 +468,23 @@ def test_final_error_body() -> None:
     command, body, frames = protocol.split_message(protocol.final_error("r-1", "busy", "the queue is full"))
     assert command == protocol.FINAL and frames == []
     assert body == {"request_id": "r-1", "ok": False, "error": {"kind": "busy", "message": "the queue is full"}}
+
+
+# --- instruction lists ---------------------------------------------------------------------------
+
+
+def test_check_instructions_names_the_first_bad_instruction() -> None:
+    good = {"op": "return", "id": "r", "key": "k", "value": 1}
+    assert protocol.check_instructions([good]) == [good]
+    cases: list[tuple[Any, int | None, str]] = [
+        ("not a list", None, "must be a list"),
+        ([good, {"op": "nope", "id": "x"}], 1, "unknown op"),
+        ([good, {**good, "id": "s"}], 1, "duplicate return key"),
+        ([{"op": "run", "id": "r", "fn": "f"}], 0, "names no earlier instruction"),
+        ([{"op": "return_file", "id": "r", "key": "k", "path": "../x"}], 0, "'..'"),
+        ([{"op": "return", "id": "r", "key": "k", "value": protocol.RefValue("later")}], 0, "reference"),
+    ]
+    for instructions, index, words in cases:
+        with pytest.raises(protocol.ProgramError, match=words) as caught:
+            protocol.check_instructions(instructions)
+        assert caught.value.index == index

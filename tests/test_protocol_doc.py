@@ -246,6 +246,7 @@ def test_program_with_blob_negotiation_returns_a_tensor_and_a_map(client: RawCli
     for field in ("queue_ms", "elapsed_ms", "lease_wait_ms", "lease_held_ms"):
         assert isinstance(result[field], float)
     assert result["stdout"] == "" and result["stdout_truncated"] is False
+    assert result["node_id"] is None  # a broker on its own, not behind a router
 
     scaled, info = result["results"]["pair"]  # the function returned a tuple (ext 3)
     assert isinstance(scaled, Tensor)

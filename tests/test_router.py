@@ -11,7 +11,6 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,9 @@ import zmq
 import zmq.asyncio
 
 from kcoral import AsyncClient, Client, KCoralError, Program, protocol
-from tests.conftest import BrokerFactory, RunningBroker, free_port
+from kcoral.testing import RunningService as RunningRouter
+from kcoral.testing import start_router
+from tests.conftest import BrokerFactory, RunningBroker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,61 +32,19 @@ LIVENESS_SECONDS = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVE
 NAP_SOURCE = "import time\ndef nap(seconds):\n    time.sleep(seconds)\n    return seconds\n"
 
 
-@dataclass
-class RunningRouter:
-    url: str
-    nodes_url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def health(self) -> dict[str, Any]:
-        with Client(self.url, connect_timeout_seconds=5.0) as client:
-            return client.health()
-
-    def nodes(self) -> dict[str, dict[str, Any]]:
-        return {n["node_id"]: n for n in self.health()["nodes"]}
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 @pytest.fixture
 def router_factory(tmp_path: Path) -> Iterator[Callable[..., RunningRouter]]:
     """Start ``kcoral router`` processes; each is stopped at teardown."""
     started: list[RunningRouter] = []
 
     def factory(*args: str, url: str | None = None, nodes_url: str | None = None) -> RunningRouter:
-        url = url or f"tcp://127.0.0.1:{free_port()}"
-        nodes_url = nodes_url or f"tcp://127.0.0.1:{free_port()}"
-        log_path = tmp_path / f"router-{len(started)}.log"
-        argv = [sys.executable, "-m", "kcoral.cli", "--log-level", "debug", "router"]
-        argv += ["--listen", url, "--nodes-listen", nodes_url, *args]
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        router = RunningRouter(url, nodes_url, process, log_path)
+        router = start_router(tmp_path, *args, url=url, nodes_url=nodes_url, timeout_seconds=START_TIMEOUT_SECONDS)
         started.append(router)
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"router exited with {process.returncode}:\n{router.log()}")
-            with contextlib.suppress(KCoralError):
-                router.health()
-                return router
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router did not answer:\n{router.log()}")
+        return router
 
     yield factory
     for router in started:
-        router.stop()
+        router.stop(timeout_seconds=10)
 
 
 def node_broker(broker_factory: BrokerFactory, router: RunningRouter, node_id: str) -> RunningBroker:

@@ -478,3 +478,21 @@ def test_import_paths_are_visible_read_only_but_not_the_working_directory(
     environ = {**os.environ, "PYTHONPATH": str(extra)}
     done = run_inside(slots.spec(), code, str(extra), str(slots.root / "cwd-note.txt"), environ=environ)
     assert json.loads(output(done)) == [42, False, False]
+
+
+def test_check_bwrap_with_gpus_confirms_the_confinement_capabilities() -> None:
+    assert check_bwrap(BWRAP, with_gpus=True) == BWRAP
+
+
+def test_check_bwrap_with_gpus_says_when_the_capabilities_are_refused(tmp_path: Path) -> None:
+    # A bwrap that refuses --cap-add (as a setuid bwrap does for users other than root).
+    wrapper = tmp_path / "bwrap"
+    wrapper.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = --cap-add ] && {{ echo "--cap-add refused" >&2; exit 1; }}; done\n'
+        f'exec {BWRAP} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    assert check_bwrap(wrapper) == wrapper
+    with pytest.raises(SandboxUnavailable, match="confine each worker") as caught:
+        check_bwrap(wrapper, with_gpus=True)
+    assert "--cap-add refused" in str(caught.value)

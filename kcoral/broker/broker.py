@@ -538,12 +538,12 @@ class Broker(ProgramIntake):
             )
             self._dispatch()
             return
-        result = dict(body)
-        result["request_id"] = request.id
-        result["queue_ms"] = (request.started_at - request.queued_at) * 1000
-        result["gpu_ids"] = list(request.gpu_ids)
+        queue_ms = (request.started_at - request.queued_at) * 1000
+        result = protocol.with_broker_fields(
+            body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
+        )
         result.update(slots.lease_times(request.lease_times, time.monotonic()))
-        self._finish(request, {"request_id": request.id, "ok": True, "result": result}, data)
+        self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
 
     def _on_worker_exit(self, exit: WorkerExit) -> None:
@@ -595,34 +595,28 @@ class Broker(ProgramIntake):
         """Answer a running program with a FAILED result the broker writes itself."""
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
-        result = {
-            "request_id": request.id,
-            "status": "FAILED",
-            "results": {},
-            "error": {
-                "kind": kind,
-                "message": message,
-                "instruction_index": index,
-                "instruction_op": ins.get("op"),
-                "instruction_id": ins.get("id"),
-                "traceback": "",
-            },
-            "stdout": "",
-            "stderr": "",
-            "stdout_truncated": False,
-            "stderr_truncated": False,
-            "queue_ms": (request.started_at - request.queued_at) * 1000,
-            "elapsed_ms": (time.monotonic() - request.started_at) * 1000,
-            "gpu_ids": list(request.gpu_ids),
-            **slots.lease_times(request.lease_times, time.monotonic()),
-        }
+        lease = slots.lease_times(request.lease_times, time.monotonic())
+        result = protocol.program_result(
+            request.id,
+            error=protocol.instruction_error(kind, message, index, ins),
+            queue_ms=(request.started_at - request.queued_at) * 1000,
+            elapsed_ms=(time.monotonic() - request.started_at) * 1000,
+            lease_wait_ms=lease["lease_wait_ms"],
+            lease_held_ms=lease["lease_held_ms"],
+            gpu_ids=request.gpu_ids,
+            node_id=self._node_id(),
+        )
         worker = request.worker
-        self._finish(request, {"request_id": request.id, "ok": True, "result": result}, [])
+        self._finish(request, protocol.final_body(request.id, result), [])
         if worker is not None and not worker.exited:
             worker.request_id = None
             self.workers.pop(worker.identity, None)
             self.supervisor.kill_worker(worker.slot)
         self._dispatch()
+
+    def _node_id(self) -> str | None:
+        """This broker's node id in results, where it serves a router."""
+        return self.upstream.node_id if self.upstream is not None else None
 
     # --- replies ---
 
@@ -657,7 +651,7 @@ class Broker(ProgramIntake):
     def _finish_error(self, request: Request, kind: str, message: str) -> None:
         worker = request.worker
         running = request.state == "running" and worker is not None
-        self._finish(request, {"request_id": request.id, "ok": False, "error": protocol.error_body(kind, message)}, [])
+        self._finish(request, protocol.final_error_body(request.id, kind, message), [])
         if running and worker is not None:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
@@ -666,13 +660,11 @@ class Broker(ProgramIntake):
         self._dispatch()
 
     def _reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
-        self._send_client(client, protocol.FINAL, {"request_id": request_id, "ok": True, "result": result})
+        self._send_client(client, protocol.FINAL, protocol.final_body(request_id, result))
 
     def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
         log.info("request_refused", request_id=request_id, kind=kind, reason=message)
-        self._send_client(
-            client, protocol.FINAL, {"request_id": request_id, "ok": False, "error": protocol.error_body(kind, message)}
-        )
+        self._send_client(client, protocol.FINAL, protocol.final_error_body(request_id, kind, message))
 
     def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         try:

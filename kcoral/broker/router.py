@@ -3,8 +3,7 @@
 Clients speak the same protocol to a router as to a broker (docs/protocol.md), so
 ``Client(router_url)`` works unchanged. Host brokers started with ``--upstream`` connect OUT to the
 router's nodes endpoint (kcoral/broker/upstream.py), register, and then exchange NODE_HEARTBEATs
-with it every HEARTBEAT_INTERVAL_SECONDS; the command bytes are in the federation section of
-kcoral/protocol.py.
+with it every HEARTBEAT_INTERVAL_SECONDS; the command bytes are in kcoral/protocol/node_link.py.
 
 What the router does, and why:
 
@@ -271,9 +270,9 @@ class Router:
             elif command == protocol.CANCEL:
                 self._on_cancel(client, request_id)
             elif command == protocol.HEALTH:
-                self._reply(client, {"request_id": request_id, "ok": True, "result": self.health()})
+                self._reply(client, protocol.final_body(request_id, self.health()))
             elif command == protocol.TARGET:
-                self._reply(client, {"request_id": request_id, "ok": True, "result": self.target()})
+                self._reply(client, protocol.final_body(request_id, self.target()))
             else:
                 self._refuse(client, request_id, "parse", f"unknown command {command.hex()}")
         except Exception as exc:

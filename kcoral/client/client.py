@@ -359,6 +359,7 @@ def build_result(result: dict[str, Any], frames: list[Any]) -> ProgramResult:
         lease_held_ms=float(result.get("lease_held_ms", 0.0)),
         gpu_ids=[int(g) for g in result.get("gpu_ids", [])],
         worker=dict(result.get("worker") or {}),
+        node_id=str(result["node_id"]) if result.get("node_id") is not None else None,
     )
 
 

@@ -19,12 +19,13 @@ import itertools
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kcoral import protocol
+from kcoral.protocol import check_relative_path
 
 UPLOAD_KINDS = ("module", "tensor", "bytes", "library")
 # Not id(): a dead Program's address is reused at once, and its references would pass as ours.
@@ -41,23 +42,6 @@ class Ref:
 
     def __repr__(self) -> str:
         return f"Ref({self.id!r})"
-
-
-def check_relative_path(path: object, what: str = "path") -> str:
-    """A path relative to the execution's working directory: no absolute paths, no ``..``."""
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise ValueError(f"{what} must be a non-empty string, got {path!r}")
-    posix = PurePosixPath(path)
-    if posix.is_absolute():
-        raise ValueError(f"{what} {path!r} is absolute; give a path relative to the working directory")
-    parts = [p for p in posix.parts if p != "."]
-    if ".." in parts:
-        raise ValueError(f"{what} {path!r} contains '..'")
-    if not parts:
-        raise ValueError(f"{what} {path!r} names the working directory itself")
-    return "/".join(parts)
 
 
 class Program:
@@ -118,9 +102,7 @@ class Program:
         mode = 0o644
         if isinstance(blob, (str, os.PathLike)):
             local = Path(blob)
-            st = local.lstat()
-            if not stat.S_ISREG(st.st_mode):
-                raise ValueError(f"{local} is not a regular file (symlinks and special files are refused)")
+            st = protocol.check_regular_file(local)
             data: bytes | memoryview = local.read_bytes()
             mode = stat.S_IMODE(st.st_mode) & 0o755
         else:
@@ -141,9 +123,7 @@ class Program:
             dirnames.sort()
             for name in sorted(filenames):
                 local = Path(current) / name
-                st = local.lstat()
-                if not stat.S_ISREG(st.st_mode):
-                    raise ValueError(f"{local} is not a regular file (symlinks and special files are refused)")
+                st = protocol.check_regular_file(local)
                 rel = local.relative_to(root).as_posix()
                 data = local.read_bytes()
                 files.append([rel, self._add_blob(data), stat.S_IMODE(st.st_mode) & 0o755, len(data)])

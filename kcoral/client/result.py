@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kcoral.client.program import check_relative_path
+from kcoral.protocol import check_relative_path
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ class ProgramResult:
     lease_held_ms: float
     gpu_ids: list[int]
     worker: dict[str, Any] = field(default_factory=dict)
+    node_id: str | None = None  # the host that ran the program, when it came through a router
 
     @property
     def completed(self) -> bool:

@@ -178,9 +178,22 @@ def find_bwrap() -> Path | None:
     return Path(found) if found else None
 
 
-def check_bwrap(bwrap: Path | None = None) -> Path:
+# Run in the check's sandbox when it holds a GPU node: what a worker's confinement needs first.
+CONFINEMENT_PROBE: Final = """
+import ctypes, os, sys
+if not os.path.exists("/dev/nvidia0"):
+    sys.exit("the GPU node was not bound")
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x20000) != 0:
+    sys.exit("unshare(CLONE_NEWNS) failed: " + os.strerror(ctypes.get_errno()))
+"""
+
+
+def check_bwrap(bwrap: Path | None = None, *, with_gpus: bool = False) -> Path:
     """Run one trivial sandbox with the production namespaces; return the working ``bwrap``.
 
+    ``with_gpus``: the sandbox also holds a (stand-in) GPU node and the capabilities a worker needs
+    to confine itself to its GPUs, and must be able to enter a mount namespace of its own.
     Raises :class:`SandboxUnavailable`, naming the fix, when bwrap is missing or cannot start.
     """
     if bwrap is None:
@@ -192,10 +205,15 @@ def check_bwrap(bwrap: Path | None = None) -> Path:
         ipc_dir = Path(scratch, "ipc")
         workspace.mkdir()
         ipc_dir.mkdir()
-        argv = sandbox_argv(SandboxSpec(workspace=workspace, ipc_dir=ipc_dir), bwrap)
+        nodes: tuple[GpuBind, ...] = ()
+        if with_gpus:
+            stand_in = Path(scratch, "nvidia0")
+            stand_in.write_text("")
+            nodes = (GpuBind(stand_in, Path("/dev/nvidia0")),)
+        argv = sandbox_argv(SandboxSpec(workspace=workspace, ipc_dir=ipc_dir, gpu_nodes=nodes), bwrap)
         try:
             done = subprocess.run(
-                [*argv, "--", sys.executable, "-c", ""],
+                [*argv, "--", sys.executable, "-c", CONFINEMENT_PROBE if with_gpus else ""],
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 text=True,
@@ -206,6 +224,11 @@ def check_bwrap(bwrap: Path | None = None) -> Path:
             raise SandboxUnavailable(f"cannot run {bwrap}: {exc}; {HOW_TO_FIX}") from exc
     if done.returncode != 0:
         reason = done.stderr.strip() or f"exit status {done.returncode}"
+        if with_gpus:
+            raise SandboxUnavailable(
+                f"{bwrap} cannot give a sandbox the capabilities ({', '.join(CONFINEMENT_CAPABILITIES)}, in its "
+                f"own user namespace) that confine each worker to its program's GPUs: {reason}; {HOW_TO_FIX}"
+            )
         raise SandboxUnavailable(f"{bwrap} failed a trivial sandbox: {reason}; {HOW_TO_FIX}")
     return bwrap
 

@@ -80,7 +80,13 @@ class Bubblewrap:
 
     def gpu_binds(self, target: TargetInfo) -> dict[int, GpuBind]:
         """Each GPU's device node by index: the driver's node of a real GPU, a stand-in file
-        (``RUN_DIR/fake-dev/nvidiaN``, seen at ``/dev/nvidiaN``) for a fake one."""
+        (``RUN_DIR/fake-dev/nvidiaN``, seen at ``/dev/nvidiaN``) for a fake one.
+
+        Checks once that bwrap gives a sandbox what the workers' confinement needs (raises
+        :class:`~kcoral.sandbox.bubblewrap.SandboxUnavailable`, saying how to fix it, otherwise).
+        """
+        if target.lease_gpus:
+            check_bwrap(self.bwrap, with_gpus=True)
         if target.fake:
             directory = self.run_dir / "fake-dev"
             directory.mkdir(parents=True, exist_ok=True)

@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from kcoral import protocol
-from kcoral.client.program import Program, check_relative_path
+from kcoral.client.program import Program
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError
+from kcoral.protocol import check_relative_path
 from kcoral.tools import service_side
 
 EXIT_OK = 0

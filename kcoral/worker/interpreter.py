@@ -9,7 +9,6 @@ asked of the broker through :class:`LeaseChannel`.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import mmap
 import os
 import stat
@@ -26,8 +25,8 @@ import zmq
 
 from kcoral import protocol
 from kcoral.errors import ExecutionError
+from kcoral.gpu_guard import GpuAccessGuard
 
-OPS = ("upload", "upload_file", "upload_folder", "get_function", "run", "return", "return_file", "return_folder")
 # What one RESULT may hold (protocol.MAX_FRAMES and MAX_BODY_BYTES bound every message): the data
 # frames after its three header frames, and the returned values' share of its body, leaving the
 # rest of the body for the error, stdout and stderr (see kcoral.worker.worker.bounded_result).
@@ -137,34 +136,16 @@ class Interpreter:
         program = self.request.get("program")
         instructions = program.get("instructions") if isinstance(program, dict) else None
         try:
-            checked = check_instructions(instructions)
-        except InstructionFailure as failure:
-            op = ident = None
-            if failure.index is not None and isinstance(instructions, list):
-                bad = instructions[failure.index]
-                if isinstance(bad, dict):
-                    op, ident = bad.get("op"), bad.get("id")
-            return {
-                "kind": "parse",
-                "message": failure.message,
-                "instruction_index": failure.index,
-                "instruction_op": op if isinstance(op, str) else None,
-                "instruction_id": ident if isinstance(ident, str) else None,
-                "traceback": "",
-            }
+            checked = protocol.check_instructions(instructions)
+        except protocol.ProgramError as failure:
+            bad = instructions[failure.index] if failure.index is not None and isinstance(instructions, list) else None
+            return protocol.instruction_error("parse", str(failure), failure.index, bad)
         for index, instruction in enumerate(checked):
             self.progress(index)
             try:
                 self._step(instruction)
             except InstructionFailure as failure:
-                return {
-                    "kind": failure.kind,
-                    "message": failure.message,
-                    "instruction_index": index,
-                    "instruction_op": instruction["op"],
-                    "instruction_id": instruction["id"],
-                    "traceback": failure.tb,
-                }
+                return protocol.instruction_error(failure.kind, failure.message, index, instruction, failure.tb)
         return None
 
     # --- instructions ---
@@ -180,7 +161,7 @@ class Interpreter:
             base = ins["path"]
             (self.workdir / base).mkdir(parents=True, exist_ok=True)
             for rel, digest, mode, *_ in ins["files"]:
-                self._place_file(f"{base}/{_relative(rel)}", self._blob(digest), int(mode))
+                self._place_file(f"{base}/{protocol.check_relative_path(rel)}", self._blob(digest), int(mode))
             self.values[ins["id"]] = base
         elif op == "get_function":
             self.values[ins["id"]] = self._get_function(ins)
@@ -198,7 +179,10 @@ class Interpreter:
         if kind == "module":
             source = ins.get("source")
             if source is None:
-                source = bytes(self._blob(ins["blob"])).decode("utf-8", errors="strict")
+                try:
+                    source = bytes(self._blob(ins["blob"])).decode("utf-8", errors="strict")
+                except UnicodeDecodeError as exc:
+                    raise InstructionFailure("parse", f"module source is not UTF-8: {exc}") from exc
             return self._load_module(ins["id"], source)
         if kind == "tensor":
             spec = ins.get("tensor")
@@ -225,8 +209,10 @@ class Interpreter:
         try:
             code = compile(source, str(path), "exec")
         except SyntaxError as exc:
+            # The source itself is malformed, like a bad instruction: parse, at this upload. A
+            # module that is valid Python but raises while it is imported fails as compile below.
             raise InstructionFailure(
-                "compile", f"SyntaxError: {exc.msg} (line {exc.lineno})", _user_traceback(exc)
+                "parse", f"{type(exc).__name__}: {exc.msg} (line {exc.lineno})", _user_traceback(exc)
             ) from exc
         module = types.ModuleType(name)
         module.__file__ = str(path)
@@ -290,9 +276,7 @@ class Interpreter:
             raise InstructionFailure("runtime", describe_exception(exc), _user_traceback(exc)) from exc
 
     def _call_cpu_only(self, fn: Callable[..., Any], args: list[Any], name: str) -> Any:
-        guard = _gpu_access_guard()
-        if guard is None:
-            return self._call(fn, args)
+        guard = GpuAccessGuard()
         with guard:
             try:
                 value = self._call(fn, args)
@@ -428,7 +412,7 @@ class Interpreter:
             raise InstructionFailure("parse", f"blob {digest[:12]}... was not delivered") from None
 
     def _inside_workdir(self, path: str) -> Path:
-        rel = _relative(path)
+        rel = protocol.check_relative_path(path)
         target = (self.workdir / rel).resolve()
         root = self.workdir.resolve()
         if target != root and root not in target.parents:
@@ -436,7 +420,7 @@ class Interpreter:
         return target
 
     def _place_file(self, path: str, data: memoryview, mode: int) -> None:
-        target = self.workdir / _relative(path)
+        target = self.workdir / protocol.check_relative_path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         parent = target.parent.resolve()
         root = self.workdir.resolve()
@@ -446,89 +430,6 @@ class Interpreter:
             target.unlink()
         target.write_bytes(data)
         os.chmod(target, (mode & 0o755) | 0o600)
-
-
-def check_instructions(instructions: Any) -> list[dict[str, Any]]:
-    """Validate a program's structure before anything runs; InstructionFailure('parse') if bad."""
-    if not isinstance(instructions, list):
-        raise InstructionFailure("parse", "program.instructions must be a list")
-    if len(instructions) > protocol.MAX_INSTRUCTIONS:
-        raise InstructionFailure("parse", f"more than {protocol.MAX_INSTRUCTIONS} instructions")
-    seen: set[str] = set()
-    keys: set[str] = set()
-    for index, ins in enumerate(instructions):
-        try:
-            _check_instruction(index, ins, seen, keys)
-        except InstructionFailure as failure:
-            failure.index = index
-            raise
-    return instructions
-
-
-def _check_instruction(index: int, ins: Any, seen: set[str], keys: set[str]) -> None:
-    where = f"instruction {index}"
-    if not isinstance(ins, dict):
-        raise InstructionFailure("parse", f"{where} is not a map")
-    op = ins.get("op")
-    if op not in OPS:
-        raise InstructionFailure("parse", f"{where}: unknown op {op!r}")
-    try:
-        ident = protocol.check_id(ins.get("id"), f"{where} id")
-        for name in ("module", "fn"):
-            if name in ins:
-                ref = protocol.check_id(ins[name], f"{where} {name}")
-                if ref not in seen:
-                    raise InstructionFailure("parse", f"{where}: {name} {ref!r} names no earlier instruction")
-        for name in ("path",):
-            if name in ins or op in ("upload_file", "upload_folder", "return_file", "return_folder"):
-                _relative(ins.get(name))
-        if op in ("upload_file", "upload_folder", "upload") and "blob" in ins:
-            protocol.check_digest(ins["blob"])
-        if op == "upload_folder":
-            files = ins.get("files")
-            if not isinstance(files, list):
-                raise InstructionFailure("parse", f"{where}: upload_folder without a files list")
-            for entry in files:
-                if not isinstance(entry, list) or len(entry) < 3:
-                    raise InstructionFailure("parse", f"{where}: bad folder entry")
-                _relative(entry[0])
-                protocol.check_digest(entry[1])
-        if op in ("return", "return_file", "return_folder"):
-            key = ins.get("key")
-            if not isinstance(key, str) or not key or key in keys:
-                raise InstructionFailure("parse", f"{where}: missing or duplicate return key {key!r}")
-            keys.add(key)
-        for ref in _references(ins.get("args", [])) + _references(ins.get("value")):
-            if ref not in seen:
-                raise InstructionFailure("parse", f"{where}: reference {ref!r} names no earlier instruction")
-    except protocol.WireError as exc:
-        raise InstructionFailure("parse", str(exc)) from exc
-    if ident in seen:
-        raise InstructionFailure("parse", f"{where}: duplicate id {ident!r}")
-    if op == "run" and not isinstance(ins.get("args", []), (list, tuple)):
-        raise InstructionFailure("parse", f"{where}: run args must be a list")
-    seen.add(ident)
-
-
-def _references(tree: Any) -> list[str]:
-    found: list[str] = []
-
-    def convert(obj: Any) -> Any:
-        if isinstance(obj, protocol.RefValue):
-            found.append(obj.id)
-        return obj
-
-    protocol.decode_value(tree, convert)
-    return found
-
-
-def _relative(path: Any) -> str:
-    from kcoral.client.program import check_relative_path
-
-    try:
-        return check_relative_path(path)
-    except ValueError as exc:
-        raise protocol.WireError(str(exc)) from exc
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -554,13 +455,3 @@ def _user_traceback(exc: BaseException) -> str:
 def _is_cuda_poison(exc: BaseException) -> bool:
     text = describe_exception(exc).lower()
     return any(marker in text for marker in CUDA_POISON_MARKERS)
-
-
-def _gpu_access_guard() -> Any:
-    """The guard that makes CUDA calls in cpu_only functions fail (None where builtins lacks it)."""
-    try:
-        builtins = importlib.import_module("kcoral.builtins")
-    except ImportError:
-        return None
-    guard_type = getattr(builtins, "GpuAccessGuard", None)
-    return guard_type() if guard_type is not None else None

@@ -63,18 +63,6 @@ class ExecutionOutcome:
 # --- one execution ------------------------------------------------------------------------------
 
 
-def _program_error(kind: str, message: str) -> dict[str, Any]:
-    """The error of a program that failed before any of its instructions ran."""
-    return {
-        "kind": kind,
-        "message": message,
-        "instruction_index": None,
-        "instruction_op": None,
-        "instruction_id": None,
-        "traceback": "",
-    }
-
-
 def execute_program(
     request: dict[str, Any],
     blobs: Mapping[str, memoryview],
@@ -125,7 +113,7 @@ def execute_program(
         if refusal is None and confinement.confined_to() is None:
             refusal = cuda_view_mismatch(gpu_ids)
         with capture:
-            error = interpreter.execute() if refusal is None else _program_error("unavailable", refusal)
+            error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
         leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
         output = capture.read()
@@ -134,20 +122,19 @@ def execute_program(
             str(t.name)[:MAX_NAME_CHARS] for t in threading.enumerate() if t not in threads_before and t.is_alive()
         ]
         retire = bool(interpreter.retire_reason)
-        body: dict[str, Any] = {
-            "request_id": request_id,
-            "status": "FAILED" if error else "COMPLETED",
-            "results": interpreter.results,
-            "error": error,
-            "stdout": output.stdout,
-            "stderr": output.stderr,
-            "stdout_truncated": output.stdout_truncated,
-            "stderr_truncated": output.stderr_truncated,
-            "elapsed_ms": elapsed_ms,
-            "lease_wait_ms": interpreter.lease.times.wait_ms,
-            "lease_held_ms": interpreter.lease.times.held_ms,
-            "gpu_ids": gpu_ids,
-        }
+        body = protocol.program_result(
+            request_id,
+            error=error,
+            results=interpreter.results,
+            stdout=output.stdout,
+            stderr=output.stderr,
+            stdout_truncated=output.stdout_truncated,
+            stderr_truncated=output.stderr_truncated,
+            elapsed_ms=elapsed_ms,
+            lease_wait_ms=interpreter.lease.times.wait_ms,
+            lease_held_ms=interpreter.lease.times.held_ms,
+            gpu_ids=gpu_ids,
+        )
         reason = refusal or interpreter.retire_reason
         retire = retire or refusal is not None
         # A program that returns but leaves work running is reported in the result's "worker" map
@@ -166,8 +153,6 @@ def execute_program(
             hint = processes.explain_limit_error(str(error.get("message")), processes.current_limits())
             if hint is not None:
                 error["message"] = f"{error['message']} ({hint})"
-        if error is not None and error.get("instruction_index") is None:
-            error["instruction_index"] = None
         interpreter.lease.note_end()
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
@@ -334,27 +319,13 @@ def _execute_message(
             outcome.body["results"], outcome.frames = {}, []
         return outcome
     except (protocol.WireError, OSError, ValueError, TypeError) as exc:
-        return ExecutionOutcome(
-            _failed_body(request_id, "parse", f"the worker could not read the program: {exc}"), []
-        )
+        error = protocol.error_map("parse", f"the worker could not read the program: {exc}")
+        return ExecutionOutcome(protocol.program_result(request_id, error=error), [])
 
 
 def _failed_body(request_id: str, kind: str, message: str) -> dict[str, Any]:
     """The RESULT of a program that failed before any instruction ran, or outside all of them."""
-    return {
-        "request_id": request_id,
-        "status": "FAILED",
-        "results": {},
-        "error": _program_error(kind, message),
-        "stdout": "",
-        "stderr": "",
-        "stdout_truncated": False,
-        "stderr_truncated": False,
-        "elapsed_ms": 0.0,
-        "lease_wait_ms": 0.0,
-        "lease_held_ms": 0.0,
-        "gpu_ids": [],
-    }
+    return protocol.program_result(request_id, error=protocol.error_map(kind, message))
 
 
 # --- the bounds of one RESULT -------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""The worker link: commands between the broker and its workers (``ipc://``, inside one host).
+
+A worker says READY once; the broker sends one PROGRAM at a time; the worker asks for its GPU tokens
+with LEASE and returns them with RELEASE, reports the instruction it is on with PROGRESS, and ends
+with RESULT (its body built by ``kcoral.protocol.results``). DISCONNECT tells a worker to exit.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# worker <-> broker (ipc://, inside one host)
+READY: Final = b"\x20"  # worker -> broker: body: slot, pid, gpu
+PROGRAM: Final = b"\x21"  # broker -> worker: the program to run, with its blob frames
+LEASE: Final = b"\x22"  # worker -> broker: ask for the program's GPU tokens
+GRANT: Final = b"\x23"  # broker -> worker: the tokens are held
+RELEASE: Final = b"\x24"  # worker -> broker: the GPU work is finished (after synchronize)
+PROGRESS: Final = b"\x25"  # worker -> broker: body: index of the instruction now running
+RESULT: Final = b"\x26"  # worker -> broker: the outcome, with its data frames
+DISCONNECT: Final = b"\x27"  # broker -> worker: exit now
+
+WORKER_COMMANDS: Final = frozenset({READY, LEASE, RELEASE, PROGRESS, RESULT})
+
+WORKER_COMMAND_NAMES: Final = {
+    READY: "READY",
+    PROGRAM: "PROGRAM",
+    LEASE: "LEASE",
+    GRANT: "GRANT",
+    RELEASE: "RELEASE",
+    PROGRESS: "PROGRESS",
+    RESULT: "RESULT",
+    DISCONNECT: "DISCONNECT",
+}

@@ -1,0 +1,174 @@
+"""Start a real ``kcoral broker`` or ``kcoral router`` on loopback and wait until it serves.
+
+For tests and benchmarks (this project's, and those of people who test code against KCoral): the
+service runs as ``python -m kcoral.cli`` in a subprocess, as in production, and is reached through
+the public client. A broker counts as ready when every worker slot is idle (otherwise which GPUs
+programs land on depends on start-up order); a router, when it answers ``health()``.
+
+Example::
+
+    with running_broker(tmp_path, "--fake-gpus", "2") as broker:
+        with Client(broker.url) as client:
+            print(client.health()["gpu_count"])   # 2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kcoral.client.client import Client
+from kcoral.errors import KCoralError
+
+START_TIMEOUT_SECONDS = 60.0
+STOP_TIMEOUT_SECONDS = 20.0
+POLL_SECONDS = 0.1
+HEALTH_TIMEOUT_SECONDS = 2.0  # one health() while starting; a slow answer is asked again
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningService:
+    """A broker or router process started by :func:`start_broker` or :func:`start_router`."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    run_dir: Path | None = None  # a broker's --run-dir
+    nodes_url: str | None = None  # a router's --nodes-listen
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self, timeout_seconds: float = 5.0) -> dict[str, Any]:
+        with Client(self.url, connect_timeout_seconds=timeout_seconds) as client:
+            return client.health()
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """A router's nodes (from its health), by node id."""
+        return {node["node_id"]: node for node in self.health()["nodes"]}
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_seconds: float = STOP_TIMEOUT_SECONDS) -> int:
+        """Send ``sig`` and wait for the exit (SIGKILL after ``timeout_seconds``); the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_seconds)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def broker_ready(health: Mapping[str, Any]) -> bool:
+    workers = health["workers"]
+    return bool(workers["idle"] >= workers["slots"])
+
+
+def wait_ready(
+    service: RunningService,
+    ready: Callable[[Mapping[str, Any]], bool] = lambda health: True,
+    timeout_seconds: float = START_TIMEOUT_SECONDS,
+) -> None:
+    """Poll ``health()`` until ``ready(health)``; RuntimeError with the log if it exits or times out."""
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        if service.process.poll() is not None:
+            raise RuntimeError(f"{service.url}: exited with {service.process.returncode}:\n{service.log()}")
+        with contextlib.suppress(KCoralError):
+            if ready(service.health(HEALTH_TIMEOUT_SECONDS)):
+                return
+        time.sleep(POLL_SECONDS)
+    raise RuntimeError(f"{service.url}: not ready within {timeout_seconds:g} s:\n{service.log()}")
+
+
+def start_broker(
+    work_dir: Path,
+    *args: str,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    log_level: str = "debug",
+    timeout_seconds: float = START_TIMEOUT_SECONDS,
+) -> RunningService:
+    """``kcoral broker --listen tcp://127.0.0.1:PORT --run-dir WORK_DIR/run-PORT ARGS``, ready.
+
+    Its log is ``WORK_DIR/broker-PORT.log`` (``broker-PORT-1.log`` for a second start on that
+    port, ...); a broker that does not get ready is killed.
+    """
+    port = port or free_port()
+    run_dir = work_dir / f"run-{port}"
+    argv = ["broker", "--listen", f"tcp://127.0.0.1:{port}", "--run-dir", str(run_dir), *args]
+    service = _spawn(argv, _fresh_log(work_dir, f"broker-{port}"), log_level, env)
+    service.run_dir = run_dir
+    _wait_or_kill(service, broker_ready, timeout_seconds)
+    return service
+
+
+def start_router(
+    work_dir: Path,
+    *args: str,
+    url: str | None = None,
+    nodes_url: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log_level: str = "debug",
+    timeout_seconds: float = START_TIMEOUT_SECONDS,
+) -> RunningService:
+    """``kcoral router --listen URL --nodes-listen NODES_URL ARGS`` (free loopback ports by default), ready."""
+    url = url or f"tcp://127.0.0.1:{free_port()}"
+    nodes_url = nodes_url or f"tcp://127.0.0.1:{free_port()}"
+    log_path = _fresh_log(work_dir, f"router-{url.rsplit(':', 1)[-1]}")
+    service = _spawn(["router", "--listen", url, "--nodes-listen", nodes_url, *args], log_path, log_level, env)
+    service.nodes_url = nodes_url
+    _wait_or_kill(service, lambda health: True, timeout_seconds)
+    return service
+
+
+@contextlib.contextmanager
+def running_broker(work_dir: Path, *args: str, **kwargs: Any) -> Iterator[RunningService]:
+    """:func:`start_broker` as a context manager that stops the broker (SIGTERM) at the end."""
+    service = start_broker(work_dir, *args, **kwargs)
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def _spawn(argv: list[str], log_path: Path, log_level: str, env: Mapping[str, str] | None) -> RunningService:
+    command = [sys.executable, "-m", "kcoral.cli", "--log-level", log_level, *argv]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return RunningService(argv[argv.index("--listen") + 1], process, log_path)
+
+
+def _fresh_log(work_dir: Path, stem: str) -> Path:
+    """A log path not used yet: a service restarted on the same port keeps the first one's log."""
+    path = work_dir / f"{stem}.log"
+    serial = 0
+    while path.exists():
+        serial += 1
+        path = work_dir / f"{stem}-{serial}.log"
+    return path
+
+
+def _wait_or_kill(service: RunningService, ready: Callable[[Mapping[str, Any]], bool], timeout: float) -> None:
+    try:
+        wait_ready(service, ready, timeout)
+    except BaseException:
+        service.stop(signal.SIGKILL)
+        raise
