@@ -61,13 +61,15 @@ MAX_FORK_BACKOFF_SECONDS = 5.0
 RETIRE_GRACE_SECONDS = 5.0  # a worker the broker has the last result of has this long to exit
 KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
 WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples the processes of the program
-# The workspace walk costs about 1 ms per 1,000 entries on the 2-core VM: it runs at most this
-# often, and never takes more than 1/WORKSPACE_SAMPLE_FACTOR of the zygote's time.
+# The workspace walk costs about 25 us per entry on the 2-core VM under load (10,100 entries:
+# 245 ms at a load average of 15): it runs at most every WORKSPACE_SAMPLE_SECONDS, and never takes
+# more than 1/WORKSPACE_SAMPLE_FACTOR of the zygote's time.
 WORKSPACE_SAMPLE_SECONDS = 0.25
 WORKSPACE_SAMPLE_FACTOR = 20
 # Entries (files, directories, links) one program may keep in its workspace. It bounds each walk
-# (about 0.2 s at the bound) and the inodes one program can take; more fails like the byte quota.
-MAX_WORKSPACE_ENTRIES = 200_000
+# (2.5 s at the bound on that loaded VM, during which the zygote answers nothing) and the inodes
+# one program can take; more fails like the byte quota.
+MAX_WORKSPACE_ENTRIES = 100_000
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
 EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
 NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
