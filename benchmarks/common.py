@@ -15,21 +15,22 @@ from typing import Any
 import numpy as np
 
 from kcoral import Program
+from kcoral.testing import LaunchOptions, running_broker, start_router, wait_ready
 from kcoral.testing import free_port as free_port
-from kcoral.testing import running_broker, start_router, wait_ready
 
 
 @contextlib.contextmanager
 def broker(*flags: str, checkout: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``kcoral broker`` on a free loopback port, every slot ready; stop it (SIGTERM) afterwards.
 
-    ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions;
-    PYTHONSAFEPATH keeps the working directory, otherwise first on ``sys.path``, from winning.
+    ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions.
     """
     work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
-    env = None if checkout is None else {"PYTHONPATH": str(checkout), "PYTHONSAFEPATH": "1"}
+    launch: LaunchOptions = {"log_level": "warning", "timeout_seconds": 120}
+    if checkout is not None:
+        launch.update(cwd=checkout, env={"PYTHONPATH": str(checkout)})
     # A sandboxed broker on a loaded machine can take a minute and more to fork all its zygotes.
-    with running_broker(work_dir, *flags, log_level="warning", timeout_seconds=120, env=env) as service:
+    with running_broker(work_dir, *flags, **launch) as service:
         yield service.url, service.process
 
 

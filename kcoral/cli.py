@@ -11,15 +11,20 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import structlog
 
 from kcoral import __version__, protocol
 from kcoral.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from kcoral.service.shell import ServiceShell
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -68,6 +73,69 @@ def configure_logging(level: str, as_json: bool) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class Service(Protocol):
+    """A broker or a router, as the entry point runs it: it serves, and its shell drains or stops."""
+
+    shell: ServiceShell[Any]
+
+    async def serve(self) -> int: ...
+
+
+def install_event_loop_policy() -> None:
+    """Use uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type[Exception], ...] = ()) -> int:
+    """Run a service until it stops and return the exit code; the signals are the entry point's,
+    not the service's.
+
+    SIGTERM and SIGINT (Ctrl-C) drain: no new programs, those in flight finish. A second SIGINT
+    stops at once (programs in flight are answered ``engine``). The broker starts its zygotes in
+    their own session, so a terminal's Ctrl-C reaches the broker alone, as SIGTERM does. An
+    endpoint that cannot be bound, or one of ``cannot_start``, ends it with one line and
+    EXIT_CONFIG.
+    """
+    import zmq
+
+    log = structlog.get_logger("kcoral.cli")
+
+    async def serve() -> int:
+        service = make()  # inside the loop: the service's events and sockets belong to it
+        loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if sig == signal.SIGINT and service.shell.draining:
+                log.warning("stopping_now", signal=sig.name)
+                service.shell.stop()
+            else:
+                log.info("signal_received", signal=sig.name)
+                service.shell.drain()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await service.serve()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    install_event_loop_policy()
+    try:
+        return asyncio.run(serve())
+    except cannot_start as exc:
+        log.error(f"{name}_cannot_start", error=str(exc))
+        return EXIT_CONFIG
+    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
+        return _cannot_listen(name, exc)
+    except KeyboardInterrupt:  # before the handlers were installed
+        return EXIT_OK
 
 
 class _Parser(argparse.ArgumentParser):
@@ -422,14 +490,7 @@ def _default_workspace_bytes(run_dir: Path | None, slots: int) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    import zmq
-
-    from kcoral.broker.broker import (
-        NEGOTIATION_TIMEOUT_SECONDS,
-        BrokerSettings,
-        install_event_loop_policy,
-        run_broker,
-    )
+    from kcoral.broker.broker import NEGOTIATION_TIMEOUT_SECONDS, Broker, BrokerSettings
     from kcoral.broker.target import TargetError
     from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 
@@ -482,30 +543,19 @@ def _broker(args: argparse.Namespace) -> int:
         upstream=args.upstream,
         node_id=args.node_id,
     )
-    install_event_loop_policy()
     # The CLI makes the temporary run directory, so that it goes away however the broker ends
     # (a port in use, a sandbox that cannot start).
     temporary_run_dir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="kcoral-"))
     settings = dataclasses.replace(settings, run_dir=args.run_dir or temporary_run_dir)
     try:
-        return asyncio.run(run_broker(settings))
-    except (TargetError, SandboxUnavailable) as exc:
-        log.error("broker_cannot_start", error=str(exc))
-        return EXIT_CONFIG
-    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
-        return _cannot_listen("broker", exc)
-    except KeyboardInterrupt:
-        return EXIT_OK
+        return run_service("broker", lambda: Broker(settings), (TargetError, SandboxUnavailable))
     finally:
         if temporary_run_dir is not None:
             shutil.rmtree(temporary_run_dir, ignore_errors=True)
 
 
 def _router(args: argparse.Namespace) -> int:
-    import zmq
-
-    from kcoral.broker.broker import install_event_loop_policy
-    from kcoral.broker.router import NODE_WAIT_SECONDS, RouterSettings, run_router
+    from kcoral.router.router import NODE_WAIT_SECONDS, Router, RouterSettings
 
     settings = RouterSettings(
         listen=args.listen,
@@ -515,13 +565,7 @@ def _router(args: argparse.Namespace) -> int:
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
     )
-    install_event_loop_policy()
-    try:
-        return asyncio.run(run_router(settings))
-    except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, bad address)
-        return _cannot_listen("router", exc)
-    except KeyboardInterrupt:
-        return EXIT_OK
+    return run_service("router", lambda: Router(settings))
 
 
 def _cannot_listen(service: str, exc: Any) -> int:

@@ -22,9 +22,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from kcoral.client.client import Client
 from kcoral.errors import KCoralError
@@ -33,6 +33,17 @@ START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 20.0
 POLL_SECONDS = 0.1
 HEALTH_TIMEOUT_SECONDS = 2.0  # one health() while starting; a slow answer is asked again
+
+
+class LaunchOptions(TypedDict, total=False):
+    """How :func:`start_broker` and :func:`start_router` start a service and wait for it."""
+
+    env: Mapping[str, str]  # added to this process's environment
+    cwd: Path  # where it runs: another checkout, say, to run that checkout's kcoral
+    log_level: str  # "debug" unless given
+    new_session: bool  # a process group of its own, as a terminal starts a foreground job
+    client_options: Mapping[str, Any]  # what Client() needs to reach it (keys=..., say)
+    timeout_seconds: float  # how long to wait for it to be ready
 
 
 def free_port() -> int:
@@ -51,12 +62,17 @@ class RunningService:
     log_path: Path
     run_dir: Path | None = None  # a broker's --run-dir
     nodes_url: str | None = None  # a router's --nodes-listen
+    client_options: Mapping[str, Any] = field(default_factory=dict)  # for Client(): keys, say
+
+    def client(self, timeout_seconds: float = 5.0) -> Client:
+        """A client of this service (close it, or use it as a context manager)."""
+        return Client(self.url, connect_timeout_seconds=timeout_seconds, **self.client_options)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def health(self, timeout_seconds: float = 5.0) -> dict[str, Any]:
-        with Client(self.url, connect_timeout_seconds=timeout_seconds) as client:
+        with self.client(timeout_seconds) as client:
             return client.health()
 
     def nodes(self) -> dict[str, dict[str, Any]]:
@@ -98,12 +114,7 @@ def wait_ready(
 
 
 def start_broker(
-    work_dir: Path,
-    *args: str,
-    port: int | None = None,
-    env: Mapping[str, str] | None = None,
-    log_level: str = "debug",
-    timeout_seconds: float = START_TIMEOUT_SECONDS,
+    work_dir: Path, *args: str, port: int | None = None, **launch: Unpack[LaunchOptions]
 ) -> RunningService:
     """``kcoral broker --listen tcp://127.0.0.1:PORT --run-dir WORK_DIR/run-PORT ARGS``, ready.
 
@@ -113,9 +124,9 @@ def start_broker(
     port = port or free_port()
     run_dir = work_dir / f"run-{port}"
     argv = ["broker", "--listen", f"tcp://127.0.0.1:{port}", "--run-dir", str(run_dir), *args]
-    service = _spawn(argv, _fresh_log(work_dir, f"broker-{port}"), log_level, env)
+    service = _spawn(argv, _fresh_log(work_dir, f"broker-{port}"), launch)
     service.run_dir = run_dir
-    _wait_or_kill(service, broker_ready, timeout_seconds)
+    _wait_or_kill(service, broker_ready, launch)
     return service
 
 
@@ -124,36 +135,42 @@ def start_router(
     *args: str,
     url: str | None = None,
     nodes_url: str | None = None,
-    env: Mapping[str, str] | None = None,
-    log_level: str = "debug",
-    timeout_seconds: float = START_TIMEOUT_SECONDS,
+    **launch: Unpack[LaunchOptions],
 ) -> RunningService:
     """``kcoral router --listen URL --nodes-listen NODES_URL ARGS`` (free loopback ports by default), ready."""
     url = url or f"tcp://127.0.0.1:{free_port()}"
     nodes_url = nodes_url or f"tcp://127.0.0.1:{free_port()}"
     log_path = _fresh_log(work_dir, f"router-{url.rsplit(':', 1)[-1]}")
-    service = _spawn(["router", "--listen", url, "--nodes-listen", nodes_url, *args], log_path, log_level, env)
+    service = _spawn(["router", "--listen", url, "--nodes-listen", nodes_url, *args], log_path, launch)
     service.nodes_url = nodes_url
-    _wait_or_kill(service, lambda health: True, timeout_seconds)
+    _wait_or_kill(service, lambda health: True, launch)
     return service
 
 
 @contextlib.contextmanager
-def running_broker(work_dir: Path, *args: str, **kwargs: Any) -> Iterator[RunningService]:
+def running_broker(work_dir: Path, *args: str, **launch: Unpack[LaunchOptions]) -> Iterator[RunningService]:
     """:func:`start_broker` as a context manager that stops the broker (SIGTERM) at the end."""
-    service = start_broker(work_dir, *args, **kwargs)
+    service = start_broker(work_dir, *args, **launch)
     try:
         yield service
     finally:
         service.stop()
 
 
-def _spawn(argv: list[str], log_path: Path, log_level: str, env: Mapping[str, str] | None) -> RunningService:
-    command = [sys.executable, "-m", "kcoral.cli", "--log-level", log_level, *argv]
+def _spawn(argv: list[str], log_path: Path, launch: LaunchOptions) -> RunningService:
+    command = [sys.executable, "-m", "kcoral.cli", "--log-level", launch.get("log_level", "debug"), *argv]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    return RunningService(argv[argv.index("--listen") + 1], process, log_path)
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **launch.get("env", {})},
+            cwd=launch.get("cwd"),
+            start_new_session=launch.get("new_session", False),
+        )
+    url = argv[argv.index("--listen") + 1]
+    return RunningService(url, process, log_path, client_options=launch.get("client_options", {}))
 
 
 def _fresh_log(work_dir: Path, stem: str) -> Path:
@@ -166,9 +183,9 @@ def _fresh_log(work_dir: Path, stem: str) -> Path:
     return path
 
 
-def _wait_or_kill(service: RunningService, ready: Callable[[Mapping[str, Any]], bool], timeout: float) -> None:
+def _wait_or_kill(service: RunningService, ready: Callable[[Mapping[str, Any]], bool], launch: LaunchOptions) -> None:
     try:
-        wait_ready(service, ready, timeout)
+        wait_ready(service, ready, launch.get("timeout_seconds", START_TIMEOUT_SECONDS))
     except BaseException:
         service.stop(signal.SIGKILL)
         raise

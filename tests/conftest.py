@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Unpack
 
 import pytest
 
@@ -23,11 +24,11 @@ def has_gpu() -> bool:
 
 
 def start_broker(
-    tmp_path: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None
+    tmp_path: Path, *args: str, port: int | None = None, **launch: Unpack[testing.LaunchOptions]
 ) -> RunningBroker:
     """A broker for a test: debug logs, and no sandbox unless the test asks for one."""
     sandbox = () if "--sandbox" in args else ("--sandbox", "none")
-    return testing.start_broker(tmp_path, *args, *sandbox, port=port, env=env)
+    return testing.start_broker(tmp_path, *args, *sandbox, port=port, **launch)
 
 
 BrokerFactory = Callable[..., RunningBroker]

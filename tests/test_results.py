@@ -7,9 +7,11 @@ which fields a result or an error has from the way a program ended or from the s
 
 from __future__ import annotations
 
+import ast
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -254,3 +256,20 @@ def test_a_worker_that_dies_is_reported_at_its_instruction(finals: dict[str, dic
     result = finals["broker"]["worker_died"]["result"]
     assert result["error"]["instruction_op"] == "run" and result["error"]["instruction_index"] == 2
     assert result["gpu_ids"] == [0] and result["queue_ms"] >= 0
+
+
+def test_no_module_writes_a_result_or_an_error_map_by_hand() -> None:
+    # Every producer builds through kcoral.protocol.results: a dict literal elsewhere with a key
+    # that only results and error maps have is a second definition that can drift.
+    only_there = {"instruction_index", "instruction_op", "instruction_id", "stdout_truncated", "lease_wait_ms"}
+    package = Path(protocol.__file__).resolve().parents[1]
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == package / "protocol" / "results.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Dict):
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                if keys & only_there:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    assert not found, f"build these through kcoral.protocol.results: {found}"

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -357,6 +358,12 @@ def test_the_router_survives_bad_messages_from_clients_and_nodes(
         client.send_multipart([b"x"])
         client.send_multipart([b"KC9", protocol.HEALTH, protocol.pack({"request_id": "r"})])
         client.send_multipart([protocol.VERSION, protocol.EXECUTE, b"\xc1\xc1"])
+        # Unreadable, but its request id can still be read: answered parse (docs/protocol.md, section 9).
+        unreadable = msgpack.packb({"request_id": "r0", "x": msgpack.ExtType(42, b"")})
+        client.send_multipart([protocol.VERSION, protocol.HEALTH, unreadable])
+        reply, reply_body, _ = protocol.split_message(client.recv_multipart())
+        assert reply == protocol.FINAL and reply_body["request_id"] == "r0"
+        assert reply_body["error"]["kind"] == "parse" and "unreadable message" in reply_body["error"]["message"]
         # Answered with parse: an unknown command, BLOBS for nothing, a program that is no map.
         for command, body in (
             (b"\x7f", {"request_id": "r1"}),

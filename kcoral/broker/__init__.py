@@ -1,1 +1,2 @@
-"""The host broker and the federation router."""
+"""The host broker: client and worker sockets, program intake, leases, blobs, the zygote
+supervisor and the upstream relay."""

@@ -50,10 +50,10 @@ import os
 import re
 import tempfile
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import structlog
 
@@ -345,30 +345,31 @@ class BlobStore:
         return size <= self._settings.memory_bytes // self._settings.memory_blob_divisor
 
     def _evict_memory(self, keep: str | None) -> None:
-        limit = self._settings.memory_bytes
-        if self._memory_bytes <= limit:
-            return
-        for digest in list(self._memory):
-            if self._memory_bytes <= limit:
-                break
-            if digest == keep or digest in self._pins:
-                continue
+        for digest in self._victims(self._memory, lambda: self._memory_bytes, self._settings.memory_bytes, keep):
             self._memory_bytes -= len(self._memory.pop(digest))
             self._evictions += 1
 
     def _evict_disk(self, keep: str | None) -> None:
-        limit = self._settings.disk_bytes
-        if self._disk_bytes <= limit or self._disk_dir is None:
+        if self._disk_dir is None:
             return
-        for digest in list(self._disk):
-            if self._disk_bytes <= limit:
-                break
-            if digest == keep or digest in self._pins:
-                continue
+        for digest in self._victims(self._disk, lambda: self._disk_bytes, self._settings.disk_bytes, keep):
             self._remove_disk_file(self._disk_dir / digest)
             self._disk_bytes -= self._disk.pop(digest)
             self._verified.discard(digest)
             self._evictions += 1
+
+    def _victims(
+        self, tier: OrderedDict[str, Any], used: Callable[[], int], limit: int, keep: str | None
+    ) -> Iterator[str]:
+        """The digests to evict from ``tier``, least recently used first, for as long as ``used()``
+        is over ``limit``; never ``keep`` or a pinned blob."""
+        if used() <= limit:
+            return  # the common case, without copying the tier's keys
+        for digest in list(tier):
+            if used() <= limit:
+                return
+            if digest != keep and digest not in self._pins:
+                yield digest
 
     def _write_disk(self, disk_dir: Path, digest: str, view: memoryview) -> bool:
         """Write the blob to the disk tier; False (blob kept in memory instead) if that fails."""

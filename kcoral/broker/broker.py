@@ -8,15 +8,12 @@ run by the :class:`~kcoral.broker.supervisor.Supervisor`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import shutil
-import signal
 import socket as stdlib_socket
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,62 +24,31 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.broker import slots
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
-from kcoral.broker.intake import OFF_LOOP_UPLOAD_BYTES, ProgramIntake
+from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
-from kcoral.broker.requests import Request, RequestQueue, Worker, until_no_requests
-from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
+from kcoral.broker.requests import Request, RequestQueue, Worker
+from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
+from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
+from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
 
-NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blobs is dropped
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024
 EARLY_READY_SECONDS = 10.0
-SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
 
 
-@dataclass(frozen=True)
-class BrokerSettings:
-    """Everything ``kcoral broker`` can be told; the CLI fills it from flags."""
+class Broker:
+    """Serves programs from clients to workers on one host.
 
-    listen: str = "tcp://127.0.0.1:5555"
-    device: str = "auto"  # "gpu", "cpu" or "auto"
-    gpus: tuple[int, ...] | None = None  # None: every local GPU
-    fake_gpus: int = 0
-    workers_per_gpu: int = 1
-    workers: int = 2  # CPU workers where there are no GPUs
-    sandbox: str = "none"
-    sandbox_reason: str = ""  # why there is none, when bubblewrap could not run (--sandbox auto)
-    sandbox_readonly_paths: tuple[Path, ...] = ()
-    max_programs_per_worker: int = 1
-    # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
-    # --cache-dir (or --run-dir) for a disk cache that survives a restart.
-    cache_dir: Path | None = None
-    cache_bytes: int = 1 << 30
-    cache_disk_bytes: int = 32 << 30
-    max_queued: int = 1024
-    queue_timeout_seconds: float = 3600.0
-    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
-    max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
-    # How long a program waits for a round of its missing blobs; it must cover their upload time.
-    negotiation_timeout_seconds: float = NEGOTIATION_TIMEOUT_SECONDS
-    # Blobs at least this large that are in the disk cache reach the worker as a path to map, not
-    # as a frame: no copy through the broker's memory and the ipc socket.
-    blob_path_min_bytes: int = 1 << 20
-    run_dir: Path | None = None
-    limits: dict[str, int] = field(default_factory=dict)
-    preload: str = "numpy,torch"
-    # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
-    upstream: str | None = None
-    node_id: str | None = None
-
-
-class Broker(ProgramIntake):
-    """Serves programs from clients to workers on one host."""
+    It holds a :class:`~kcoral.service.shell.ServiceShell` (the client socket, receive loop,
+    replies, requests in flight, tasks and lifecycle) and a :class:`ProgramIntake` (EXECUTE and
+    BLOBS), and runs the workers' side itself: READY, leases, results and exits.
+    """
 
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
@@ -106,27 +72,47 @@ class Broker(ProgramIntake):
                 disk_writable_by_others=settings.sandbox != "bubblewrap",
             )
         )
-        self.requests: dict[str, Request] = {}
+        self.shell: ServiceShell[Request] = ServiceShell(
+            "broker",
+            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            fail_request=self._finish_error,
+        )
+        self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()
+        self.intake = ProgramIntake(
+            IntakeSettings(
+                gpu_count=len(self.gpu_ids),
+                max_queued=settings.max_queued,
+                max_request_bytes=settings.max_request_bytes,
+                negotiation_timeout_seconds=settings.negotiation_timeout_seconds,
+                blob_path_min_bytes=settings.blob_path_min_bytes,
+                sandboxed=settings.sandbox == "bubblewrap",
+            ),
+            blobs=self.blobs,
+            requests=self.requests,
+            tasks=self.shell.tasks,
+            port=self,
+        )
+        self.shell.handlers.update(
+            {
+                protocol.EXECUTE: self.intake.on_execute,
+                protocol.BLOBS: self.intake.on_blobs,
+                protocol.CANCEL: self._on_cancel,
+                protocol.HEALTH: self.shell.answer(self.health),
+                protocol.TARGET: self.shell.answer(self.target.to_wire),
+            }
+        )
         self.workers: dict[bytes, Worker] = {}
         self.idle: dict[bytes, Worker] = {}
         self.exited: dict[bytes, WorkerExit] = {}
         self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
-        self.draining = False
-        self.stopped = asyncio.Event()
-        self.context = zmq.asyncio.Context()
-        self.frontend = router_socket(self.context)
-        self.backend = router_socket(self.context)
-        self.frontend_out = ImmediateSender(self.frontend)
-        self.backend_out = ImmediateSender(self.backend)
+        self.backend = router_socket(self.shell.context)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
         # READYs that arrived before their zygote's "forked" event was read.
         self.early_ready: dict[bytes, dict[str, Any]] = {}
         self.completed = 0
         self.failed = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
         self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
@@ -160,28 +146,25 @@ class Broker(ProgramIntake):
         return slots
 
     async def serve(self) -> int:
-        """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
+        """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
+        installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        return await self.shell.serve(
+            self._open, self._release, lambda: {"completed": self.completed, "failed": self.failed}
+        )
+
+    async def _open(self) -> None:
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
-        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_request_bytes, protocol.MAX_BODY_BYTES))
-        self.frontend.bind(self.settings.listen)
         self.backend.bind(self.worker_endpoint)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.drain)
         await self.supervisor.start()
-        self._tasks = [
-            asyncio.create_task(self._client_loop()),
-            asyncio.create_task(self._worker_loop()),
-            asyncio.create_task(self._heartbeat_loop()),
-        ]
+        self.shell.spawn(receive_forever(self.backend, self._handle_worker, "worker_message_failed"), name="workers")
+        self.shell.spawn(self._heartbeat_loop(), name="heartbeats")
         if self.settings.upstream:
             node_id = self.settings.node_id or default_node_id(self.settings.listen)
             self.upstream = UpstreamLink(
-                context=self.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
+                context=self.shell.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
             )
             # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
-            self.frontend.bind(self.upstream.local_endpoint)
+            self.shell.clients.bind(self.upstream.local_endpoint)
             self.upstream.start()
         log.info(
             "broker_listening",
@@ -195,115 +178,37 @@ class Broker(ProgramIntake):
             # Loud: programs then share the broker's user, files and network, and nothing but the
             # process limits stands between them (see the README, "Worker limits").
             log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
-        await self.stopped.wait()
-        await self.close()
-        return 0
 
-    def drain(self) -> None:
-        """Stop taking programs; finish those in flight, then stop."""
-        if self.draining:
-            return
-        self.draining = True
-        log.info("broker_draining", in_flight=len(self.requests))
-        asyncio.get_running_loop().create_task(self._finish_draining())
-
-    async def _finish_draining(self) -> None:
-        await until_no_requests(self.requests, SHUTDOWN_DRAIN_SECONDS)
-        self.stopped.set()
-
-    async def close(self) -> None:
+    async def _release(self) -> None:
         if self.upstream is not None:
             await self.upstream.close()  # its sockets must be closed before the context ends
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         await self.supervisor.stop()
-        self.frontend.close(linger=0)
         self.backend.close(linger=0)
-        self.context.term()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        log.info("broker_stopped", completed=self.completed, failed=self.failed)
 
-    # --- clients ---
+    @property
+    def draining(self) -> bool:
+        return self.shell.draining
 
-    async def _client_loop(self) -> None:
-        await receive_forever(self.frontend, self._handle_client, "client_message_failed")
+    # --- clients (EXECUTE and BLOBS are the intake's) ---
 
-    def _handle_client(self, frames: list[zmq.Frame]) -> None:
-        client = bytes(frames[0].buffer)
-        try:
-            command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
-        except protocol.WireError as exc:
-            log.warning("bad_client_message", error=str(exc), frames=len(frames) - 1)
-            self._answer_unreadable(client, frames, exc)
+    def _on_cancel(self, message: ClientMessage) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None:
             return
-        request_id = body.get("request_id")
-        try:
-            request_id = protocol.check_id(request_id, "request_id")
-        except protocol.WireError as exc:
-            log.warning("bad_client_message", error=str(exc), command=command.hex())
-            return
-        try:
-            self._dispatch_command(client, command, request_id, body, data)
-        except Exception as exc:
-            self._fail_internal(client, request_id, command, exc)
-
-    def _fail_internal(self, client: bytes, request_id: str, command: bytes, exc: Exception) -> None:
-        """A bug must not leave a request in limbo with its client waiting: answer it."""
-        log.exception("client_command_failed", request_id=request_id, command=command.hex())
-        request = self.requests.get(request_id)
-        if request is not None:
-            self._finish_error(request, "engine", f"internal error in the broker: {exc!r}")
-        else:
-            self._reply_error(client, request_id, "engine", f"internal error in the broker: {exc!r}")
-
-    def _answer_unreadable(self, client: bytes, frames: list[zmq.Frame], exc: protocol.WireError) -> None:
-        """Answer a message the broker cannot read, where its request id can still be found, so
-        its sender is told why instead of waiting."""
-        if len(frames) < 4 or bytes(frames[1].buffer) != protocol.VERSION:
-            return
-        try:
-            request_id = protocol.peek_request_id(frames[3].buffer)
-        except protocol.WireError:
-            return
-        if request_id not in self.requests:
-            self._reply_error(client, request_id, "parse", f"unreadable message: {exc}")
-
-    def _dispatch_command(
-        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
-    ) -> None:
-        if command in (protocol.EXECUTE, protocol.BLOBS) and sum(len(f) for f in data) >= OFF_LOOP_UPLOAD_BYTES:
-            # Hashing and writing a large upload takes seconds: do it in a thread, so heartbeats,
-            # leases and other clients are served meanwhile.
-            task = asyncio.get_running_loop().create_task(self._prepare_then(client, command, request_id, body, data))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        elif command == protocol.EXECUTE:
-            self._on_execute(client, request_id, body, data)
-        elif command == protocol.BLOBS:
-            self._on_blobs(client, request_id, body, data)
-        elif command == protocol.CANCEL:
-            self._on_cancel(client, request_id)
-        elif command == protocol.HEALTH:
-            self._reply_ok(client, request_id, self.health())
-        elif command == protocol.TARGET:
-            self._reply_ok(client, request_id, self.target.to_wire())
-        else:
-            self._reply_error(client, request_id, "parse", f"unknown command {command.hex()}")
-
-    def _on_cancel(self, client: bytes, request_id: str) -> None:
-        request = self.requests.get(request_id)
-        if request is None or request.client != client:
-            return
-        log.info("request_cancelled", request_id=request_id, state=request.state)
+        log.info("request_cancelled", request_id=request.id, state=request.state)
         self._finish_error(request, "cancelled", "the client cancelled the program")
 
     # --- dispatch ---
 
+    def enqueue(self, request: Request) -> None:
+        self.queue.push(request)
+        self._dispatch()
+
     def _dispatch(self) -> None:
+        if self.shell.stopping:
+            return
         while self.idle:
             request = self.queue.pop()
             if request is None:
@@ -326,7 +231,7 @@ class Broker(ProgramIntake):
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program."""
         load = {g: 0 for g in self.gpu_ids}
-        for request in self.requests.values():
+        for request in self.requests:
             if request.state == "running":
                 for gpu in request.gpu_ids:
                     load[gpu] += 1
@@ -345,12 +250,12 @@ class Broker(ProgramIntake):
 
     def _start(self, request: Request, worker: Worker) -> None:
         try:
-            sent, frames, paths = self._program_blobs(request)
+            sent, frames, paths = self.intake.worker_blobs(request)
         except KeyError:
             # A disk copy turned out corrupt or unreadable and was dropped: the client sends it again.
             log.warning("request_blob_lost", request_id=request.id)
             self.idle[worker.identity] = worker
-            self._negotiate(request, progressed=True)
+            self.intake.negotiate(request, progressed=True)
             return
         if request.gpu_count and worker.gpu_view is not None:
             request.gpu_ids = worker.gpu_view  # a reused worker sees these GPUs and no others
@@ -375,10 +280,7 @@ class Broker(ProgramIntake):
         }
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
-            self.backend_out.send([worker.identity, *message])
-            # The socket's file descriptor is edge-triggered: a send through the shadow can take
-            # the edge that announced incoming messages, and the asyncio recv would then sleep
-            # until the next one (seconds, with 8 programs in flight). Re-check its events now.
+            send_now(self.backend, [worker.identity, *message])
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.workers.pop(worker.identity, None)
@@ -398,11 +300,7 @@ class Broker(ProgramIntake):
             blob_frames=len(frames),
             blob_paths=len(paths),
         )
-        self._send_client(
-            request.client,
-            protocol.PARTIAL,
-            {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)},
-        )
+        self.tell(request, {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)})
 
     def _on_timeout(self, request: Request) -> None:
         if self.requests.get(request.id) is not request:
@@ -502,7 +400,7 @@ class Broker(ProgramIntake):
         self.held_leases[worker.identity] = request.id
         request.lease_times = (grant.requested_at, grant.granted_at)
         try:
-            self.backend_out.send([worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+            send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
             self.leases.release(request.id)
 
@@ -542,7 +440,7 @@ class Broker(ProgramIntake):
         result = protocol.with_broker_fields(
             body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
         )
-        result.update(slots.lease_times(request.lease_times, time.monotonic()))
+        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
         self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
 
@@ -595,14 +493,14 @@ class Broker(ProgramIntake):
         """Answer a running program with a FAILED result the broker writes itself."""
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
-        lease = slots.lease_times(request.lease_times, time.monotonic())
+        lease_wait_ms, lease_held_ms = slots.lease_times(request.lease_times, time.monotonic())
         result = protocol.program_result(
             request.id,
             error=protocol.instruction_error(kind, message, index, ins),
             queue_ms=(request.started_at - request.queued_at) * 1000,
             elapsed_ms=(time.monotonic() - request.started_at) * 1000,
-            lease_wait_ms=lease["lease_wait_ms"],
-            lease_held_ms=lease["lease_held_ms"],
+            lease_wait_ms=lease_wait_ms,
+            lease_held_ms=lease_held_ms,
             gpu_ids=request.gpu_ids,
             node_id=self._node_id(),
         )
@@ -622,7 +520,7 @@ class Broker(ProgramIntake):
 
     def _finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
         """Answer a request once and forget it."""
-        if self.requests.pop(request.id, None) is None:
+        if self.requests.pop(request.id) is None:
             return
         if request.timer is not None:
             request.timer.cancel()
@@ -639,7 +537,7 @@ class Broker(ProgramIntake):
         else:
             self.failed += 1
         request.state = "done"
-        self._send_client(request.client, protocol.FINAL, body, *frames)
+        self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
             "request_finished",
             request_id=request.id,
@@ -659,39 +557,36 @@ class Broker(ProgramIntake):
             self.supervisor.kill_worker(worker.slot)
         self._dispatch()
 
-    def _reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
-        self._send_client(client, protocol.FINAL, protocol.final_body(request_id, result))
+    def fail(self, request: Request, kind: str, message: str) -> None:
+        self._finish_error(request, kind, message)
 
-    def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
-        log.info("request_refused", request_id=request_id, kind=kind, reason=message)
-        self._send_client(client, protocol.FINAL, protocol.final_error_body(request_id, kind, message))
+    def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
+        self.shell.refuse(client, request_id, kind, message)
 
-    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
-        try:
-            self.frontend_out.send([client, *protocol.message(command, body, *frames)])
-        except zmq.ZMQError as exc:
-            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
-            log.info("client_unreachable", request_id=body.get("request_id"), error=str(exc))
+    def tell(self, request: Request, body: dict[str, Any]) -> None:
+        self.shell.reply(request.client, protocol.PARTIAL, body)
+
+    def fail_internal(self, message: ClientMessage, exc: Exception) -> None:
+        self.shell.fail_internal(message, exc)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(protocol.HEARTBEAT_INTERVAL_SECONDS)
-            for client in {r.client for r in self.requests.values()}:
-                self._send_client(client, protocol.HEARTBEAT, {})
+            self.shell.heartbeat_clients()
             self._expire_queued()
 
     def _expire_queued(self) -> None:
         """A program never waits in the queue for ever: past the queue timeout it is refused."""
         now = time.monotonic()
         limit = self.settings.queue_timeout_seconds
-        for request in [r for r in self.requests.values() if r.state == "queued" and now - r.queued_at > limit]:
+        for request in [r for r in self.requests if r.state == "queued" and now - r.queued_at > limit]:
             log.warning("request_queue_timeout", request_id=request.id, waited_s=round(now - request.queued_at, 1))
             self._finish_error(request, "timeout", f"the program waited {limit:g} s in the queue without a free worker")
 
     # --- status ---
 
     def health(self) -> dict[str, Any]:
-        running = sum(1 for r in self.requests.values() if r.state == "running")
+        running = sum(1 for r in self.requests if r.state == "running")
         waiting = len(self.requests) - running
         return {
             "status": "draining" if self.draining else "ok",
@@ -722,18 +617,4 @@ class Broker(ProgramIntake):
         }
 
 
-async def run_broker(settings: BrokerSettings) -> int:
-    broker = Broker(settings)
-    return await broker.serve()
-
-
-def install_event_loop_policy() -> None:
-    """Use uvloop where it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
-__all__ = ["Broker", "BrokerSettings", "install_event_loop_policy", "run_broker"]
+__all__ = ["NEGOTIATION_TIMEOUT_SECONDS", "Broker", "BrokerSettings"]

@@ -1,27 +1,32 @@
 """How a program comes in: admission, blob negotiation, and how its blobs reach the worker.
 
-:class:`ProgramIntake` is the part of the broker that takes EXECUTE and BLOBS: it checks a program and
-its options, refuses what cannot run (busy, capacity, request_too_large, parse), stores the blobs
-that came with it (hashed off the event loop when large), asks the client for those the cache
-lacks, and queues the program once all are there. It is a base class of
-:class:`kcoral.broker.broker.Broker`, whose state and replies it uses.
+:class:`ProgramIntake` takes EXECUTE and BLOBS for the broker: it checks a program and its options,
+refuses what cannot run (busy, capacity, request_too_large, parse: the checks shared with the
+router are the pure functions of :mod:`kcoral.service.admission`), stores the blobs that came with
+it (hashed off the event loop when large), asks the client for those the cache lacks, and hands
+the program to the broker once all are there. It is built with what it uses (settings, the blob
+store, the requests in flight, a task set) and talks back to the broker through a small port,
+:class:`IntakePort`, so that it runs, and is tested, without a broker (tests/test_intake.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import structlog
 
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
-from kcoral.broker.requests import Request, RequestQueue
+from kcoral.broker.requests import Request
 from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
-
-if TYPE_CHECKING:
-    from kcoral.broker.broker import BrokerSettings
+from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.shell import ClientMessage, InFlightTable
+from kcoral.service.tasks import TaskSet
 
 log = structlog.get_logger("kcoral.broker")
 
@@ -29,100 +34,123 @@ log = structlog.get_logger("kcoral.broker")
 # ones may share one of libzmq's receive buffers (8 KiB), which a kept view would pin whole.
 ADOPT_FRAME_BYTES = 64 << 10
 OFF_LOOP_UPLOAD_BYTES = 16 << 20  # uploads at least this large are hashed and written in a thread
+NEGOTIATION_TIMEOUT_SECONDS = 60.0  # a client that never sends its missing blobs is dropped
+
+
+@dataclass(frozen=True)
+class IntakeSettings:
+    """The broker's settings that intake reads."""
+
+    gpu_count: int  # GPUs of this host; 0: CPU workers only
+    max_queued: int = 1024
+    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
+    # How long a program waits for a round of its missing blobs; it must cover their upload time.
+    negotiation_timeout_seconds: float = NEGOTIATION_TIMEOUT_SECONDS
+    # Blobs at least this large that are in the disk cache reach the worker as a path to map, not
+    # as a frame: no copy through the broker's memory and the ipc socket.
+    blob_path_min_bytes: int = 1 << 20
+    sandboxed: bool = False  # workers see the cache directory at SANDBOX_BLOBS_DIR
+
+
+class IntakePort(Protocol):
+    """What intake asks of the broker that holds it."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
+        """Answer a request that was not taken (FINAL with an error)."""
+
+    def tell(self, request: Request, body: dict[str, Any]) -> None:
+        """Send the request's client a PARTIAL."""
+
+    def fail(self, request: Request, kind: str, message: str) -> None:
+        """End a request that was taken with an error (FINAL), and forget it."""
+
+    def enqueue(self, request: Request) -> None:
+        """Every blob of the request is here: queue it for a worker."""
+
+    def fail_internal(self, message: ClientMessage, exc: Exception) -> None:
+        """Answer a message whose handling raised (a bug), so its client does not wait."""
 
 
 class ProgramIntake:
-    """EXECUTE and BLOBS handling; the broker supplies the state and the replies."""
+    """EXECUTE and BLOBS handling, and the blob half of a program's delivery to its worker."""
 
-    settings: BrokerSettings
-    blobs: BlobStore
-    requests: dict[str, Request]
-    queue: RequestQueue[Request]
-    draining: bool
-    gpu_ids: tuple[int, ...]
+    def __init__(
+        self,
+        settings: IntakeSettings,
+        *,
+        blobs: BlobStore,
+        requests: InFlightTable[Request],
+        tasks: TaskSet,
+        port: IntakePort,
+    ) -> None:
+        self.settings = settings
+        self.blobs = blobs
+        self.requests = requests
+        self.tasks = tasks
+        self.port = port
 
-    def _finish_error(self, request: Request, kind: str, message: str) -> None:
-        raise NotImplementedError
+    # --- the two commands ---
 
-    def _reply_error(self, client: bytes, request_id: str, kind: str, message: str) -> None:
-        raise NotImplementedError
+    def on_execute(self, message: ClientMessage) -> None:
+        if not self._off_loop(message, self._execute):
+            self._execute(message, None)
 
-    def _send_client(self, client: bytes, command: bytes, body: dict[str, Any], *frames: Any) -> None:
-        raise NotImplementedError
+    def on_blobs(self, message: ClientMessage) -> None:
+        if not self._off_loop(message, self._blobs):
+            self._blobs(message, None)
 
-    def _dispatch(self) -> None:
-        raise NotImplementedError
-
-    def _fail_internal(self, client: bytes, request_id: str, command: bytes, exc: Exception) -> None:
-        raise NotImplementedError
+    def _off_loop(
+        self, message: ClientMessage, then: Callable[[ClientMessage, dict[str, PreparedBlob]], None]
+    ) -> bool:
+        """Hashing and writing a large upload takes seconds: do it in a thread, so heartbeats,
+        leases and other clients are served meanwhile; then go on with ``then``."""
+        if message.data_bytes < OFF_LOOP_UPLOAD_BYTES:
+            return False
+        self.tasks.spawn(self._prepare_then(message, then), name="prepare-blobs")
+        return True
 
     async def _prepare_then(
-        self, client: bytes, command: bytes, request_id: str, body: dict[str, Any], data: list[Any]
+        self, message: ClientMessage, then: Callable[[ClientMessage, dict[str, PreparedBlob]], None]
     ) -> None:
-        digests = body.get("blobs")
+        digests = message.body.get("blobs")
         prepared: dict[str, PreparedBlob] = {}
-        if isinstance(digests, list) and len(digests) == len(data):
+        if isinstance(digests, list) and len(digests) == len(message.data):
 
             def prepare_all() -> None:
-                for digest, frame in zip(digests, data):
+                for digest, frame in zip(digests, message.data):
                     try:
                         prepared[digest] = self.blobs.prepare(digest, frame)
                     except (BlobDigestMismatch, ValueError):
-                        pass  # the ordinary path below refuses it with the reason
+                        pass  # the ordinary path refuses it with the reason
 
             await asyncio.to_thread(prepare_all)
         try:
-            if command == protocol.EXECUTE:
-                self._on_execute(client, request_id, body, data, prepared)
-            else:
-                self._on_blobs(client, request_id, body, data, prepared)
+            then(message, prepared)
         except Exception as exc:
-            self._fail_internal(client, request_id, command, exc)
+            self.port.fail_internal(message, exc)
 
-    def _on_execute(
-        self,
-        client: bytes,
-        request_id: str,
-        body: dict[str, Any],
-        data: list[Any],
-        prepared: dict[str, PreparedBlob] | None = None,
-    ) -> None:
-        if request_id in self.requests:
-            self._reply_error(client, request_id, "parse", "a request with this id is already in flight")
+    def _execute(self, message: ClientMessage, prepared: dict[str, PreparedBlob] | None) -> None:
+        client, request_id = message.client, message.request_id
+        admitted = admit_execute(
+            message.body,
+            service="broker",
+            already_in_flight=request_id in self.requests,
+            draining=self.port.draining,
+            waiting=sum(1 for r in self.requests if r.state in ("negotiating", "queued")),
+            max_queued=self.settings.max_queued,
+            max_request_bytes=self.settings.max_request_bytes,
+            capacity=self._capacity,
+        )
+        if isinstance(admitted, Refusal):
+            self.port.refuse(client, request_id, *admitted)
             return
-        if self.draining:
-            self._reply_error(client, request_id, "busy", "the broker is shutting down")
-            return
-        waiting = sum(1 for r in self.requests.values() if r.state in ("negotiating", "queued"))
-        if waiting >= self.settings.max_queued:
-            self._reply_error(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
-            return
-        try:
-            program, options, digests = protocol.parse_execute(body)
-            declared = declared_bytes(program)
-        except protocol.WireError as exc:
-            self._reply_error(client, request_id, "parse", str(exc))
-            return
-        if declared > self.settings.max_request_bytes:
-            self._reply_error(
-                client,
-                request_id,
-                "request_too_large",
-                f"the program's uploads are {declared} bytes; "
-                f"this broker takes at most {self.settings.max_request_bytes}",
-            )
-            return
-        gpu_count = options.gpu_count if options.gpu_count is not None else (1 if self.gpu_ids else 0)
-        if gpu_count > len(self.gpu_ids):
-            self._reply_error(
-                client,
-                request_id,
-                "capacity",
-                f"the program asks for {gpu_count} GPUs; this host has {len(self.gpu_ids)}",
-            )
-            return
+        program, options, digests = admitted.program, admitted.options, admitted.digests
+        gpu_count = self._gpu_count(options)
         request = Request(request_id, client, program, options, digests, gpu_count)
-        self.requests[request_id] = request
+        self.requests.add(request)
         # Pinned before anything is stored, so no eviction can fall between a blob's arrival (or
         # its being found in the cache) and the program's end.
         for digest in digests:
@@ -137,68 +165,71 @@ class ProgramIntake:
             blobs=len(digests),
             missing=len(absent),
         )
-        if self._store_blobs(request, body, data, prepared):
-            self._negotiate(request, progressed=True)
+        if self._store_blobs(request, message, prepared):
+            self.negotiate(request, progressed=True)
 
-    def _on_blobs(
-        self,
-        client: bytes,
-        request_id: str,
-        body: dict[str, Any],
-        data: list[Any],
-        prepared: dict[str, PreparedBlob] | None = None,
-    ) -> None:
-        request = self.requests.get(request_id)
-        if request is not None and request.client == client and request.state != "negotiating":
+    def _capacity(self, options: protocol.ExecuteOptions) -> Refusal | None:
+        return refuse_gpu_count(self._gpu_count(options), self.settings.gpu_count, where="this host")
+
+    def _gpu_count(self, options: protocol.ExecuteOptions) -> int:
+        """The GPUs a program gets: as many as it asks for; one by default where there are any."""
+        if options.gpu_count is not None:
+            return options.gpu_count
+        return 1 if self.settings.gpu_count else 0
+
+    def _blobs(self, message: ClientMessage, prepared: dict[str, PreparedBlob] | None) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None:
+            text = "BLOBS for no request that is waiting for blobs"
+            self.port.refuse(message.client, message.request_id, "parse", text)
+            return
+        if request.state != "negotiating":
             # A late or repeated BLOBS for this client's own program: the program goes on, and a
             # FINAL here would end the client's wait for its real result.
-            log.info("late_blobs_ignored", request_id=request_id, state=request.state)
+            log.info("late_blobs_ignored", request_id=request.id, state=request.state)
             return
-        if request is None or request.client != client:
-            self._reply_error(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
-            return
-        if self._store_blobs(request, body, data, prepared):
+        if self._store_blobs(request, message, prepared):
             # An empty BLOBS does not extend the deadline: a client that sends nothing is dropped.
-            self._negotiate(request, progressed=bool(data))
+            self.negotiate(request, progressed=bool(message.data))
+
+    # --- blobs ---
 
     def _store_blobs(
-        self, request: Request, body: dict[str, Any], data: list[Any], prepared: dict[str, PreparedBlob] | None = None
+        self, request: Request, message: ClientMessage, prepared: dict[str, PreparedBlob] | None
     ) -> bool:
         """Check and store the blobs attached to EXECUTE or BLOBS; False when the request was
-        refused (and answered) instead. ``prepared`` holds blobs already hashed off the loop."""
-        digests = body.get("blobs") or []
+        failed (and answered) instead. ``prepared`` holds blobs already hashed off the loop."""
+        digests = message.body.get("blobs") or []
         wanted = set(request.digests)
+        limit = self.settings.max_request_bytes
         try:
-            if not isinstance(digests, list) or len(digests) != len(data):
+            if not isinstance(digests, list) or len(digests) != len(message.data):
                 raise protocol.WireError("the blobs list must name each attached frame")
-            for digest, frame in zip(digests, data):
+            for digest, frame in zip(digests, message.data):
                 protocol.check_digest(digest)
                 if digest not in wanted:
                     raise protocol.WireError(f"blob {digest[:12]}... is not used by the program")
                 # Counted before hashing, so an oversized upload costs no more work than this.
                 request.bytes_received += len(frame)
-                if request.bytes_received > self.settings.max_request_bytes:
-                    self._finish_error(
-                        request,
-                        "request_too_large",
-                        f"the program's uploads exceed {self.settings.max_request_bytes} bytes",
-                    )
+                if request.bytes_received > limit:
+                    self.port.fail(request, "request_too_large", f"the program's uploads exceed {limit} bytes")
                     return False
                 # A received frame is never written to again, so a large one is kept as it is.
+                adopt = len(frame) >= ADOPT_FRAME_BYTES
                 ready = (prepared or {}).get(digest)
                 if ready is not None:
-                    self.blobs.commit(ready, adopt=len(frame) >= ADOPT_FRAME_BYTES)
+                    self.blobs.commit(ready, adopt=adopt)
                 else:
-                    self.blobs.put(digest, frame, adopt=len(frame) >= ADOPT_FRAME_BYTES)
+                    self.blobs.put(digest, frame, adopt=adopt)
         except BlobDigestMismatch as exc:
-            self._finish_error(request, "parse", f"blob digest mismatch: {exc}")
+            self.port.fail(request, "parse", f"blob digest mismatch: {exc}")
             return False
         except (protocol.WireError, ValueError) as exc:
-            self._finish_error(request, "parse", str(exc))
+            self.port.fail(request, "parse", str(exc))
             return False
         return True
 
-    def _negotiate(self, request: Request, *, progressed: bool) -> None:
+    def negotiate(self, request: Request, *, progressed: bool) -> None:
         """Ask the client for the blobs still missing, or queue the program when none are.
 
         The deadline for the next round restarts only when this round brought blobs.
@@ -212,25 +243,22 @@ class ProgramIntake:
                 timeout = self.settings.negotiation_timeout_seconds
                 request.timer = asyncio.get_running_loop().call_later(
                     timeout,
-                    self._finish_error,
+                    self.port.fail,
                     request,
                     "timeout",
                     f"the client did not send the program's missing blobs within {timeout:g} s",
                 )
-            self._send_client(
-                request.client, protocol.PARTIAL, {"request_id": request.id, "state": "need_blobs", "blobs": missing}
-            )
+            self.port.tell(request, {"request_id": request.id, "state": "need_blobs", "blobs": missing})
             return
         if request.timer is not None:
             request.timer.cancel()
             request.timer = None
         request.state = "queued"
         request.queued_at = time.monotonic()
-        self.queue.push(request)
-        self._send_client(request.client, protocol.PARTIAL, {"request_id": request.id, "state": "queued"})
-        self._dispatch()
+        self.port.tell(request, {"request_id": request.id, "state": "queued"})
+        self.port.enqueue(request)
 
-    def _program_blobs(self, request: Request) -> tuple[list[str], list[memoryview], dict[str, str]]:
+    def worker_blobs(self, request: Request) -> tuple[list[str], list[memoryview], dict[str, str]]:
         """How the worker gets each blob: (digests sent as frames, those frames, digest -> path).
 
         Large blobs in the disk cache go as paths the worker maps read-only, so their bytes pass
@@ -242,10 +270,9 @@ class ProgramIntake:
         sent: list[str] = []
         frames: list[memoryview] = []
         paths: dict[str, str] = {}
-        mapped = self.settings.sandbox == "bubblewrap"
         for digest in request.digests:
-            path = None
-            if mapped and self.blobs.size_of(digest) >= self.settings.blob_path_min_bytes:
+            path: Path | None = None
+            if self.settings.sandboxed and self.blobs.size_of(digest) >= self.settings.blob_path_min_bytes:
                 path = self.blobs.disk_path(digest)
             if path is None:
                 sent.append(digest)
@@ -256,30 +283,11 @@ class ProgramIntake:
         return sent, frames, paths
 
 
-def declared_bytes(program: dict[str, Any]) -> int:
-    """The bytes of a program's blobs as its instructions declare them, each digest once.
-
-    Counts tensors wherever they appear (uploads, run arguments, returned literals), so a program
-    over the limit is refused before any of its bytes are sent.
-    """
-    sizes: dict[str, int] = {}
-
-    def visit(obj: Any) -> Any:
-        if isinstance(obj, protocol.TensorSpec) and isinstance(obj.source, str):
-            sizes[obj.source] = obj.nbytes
-        return obj
-
-    for ins in program.get("instructions", []):
-        if not isinstance(ins, dict):
-            continue
-        size, blob = ins.get("size"), ins.get("blob")
-        if isinstance(blob, str) and isinstance(size, int) and size > 0:
-            sizes[blob] = size
-        for entry in ins.get("files") or []:
-            if isinstance(entry, list) and len(entry) >= 4 and isinstance(entry[1], str):
-                if isinstance(entry[3], int) and entry[3] > 0:
-                    sizes[entry[1]] = entry[3]
-        for key in ("tensor", "args", "value"):
-            if key in ins:
-                protocol.decode_value(ins[key], visit)
-    return sum(sizes.values())
+__all__ = [
+    "ADOPT_FRAME_BYTES",
+    "NEGOTIATION_TIMEOUT_SECONDS",
+    "OFF_LOOP_UPLOAD_BYTES",
+    "IntakePort",
+    "IntakeSettings",
+    "ProgramIntake",
+]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -95,13 +94,3 @@ class RequestQueue(Generic[QueuedT]):
             queue.remove(request)
             if not queue:
                 del self._by_client[request.client]
-
-
-DRAIN_POLL_SECONDS = 0.05
-
-
-async def until_no_requests(requests: Mapping[str, Any], limit_seconds: float) -> None:
-    """Wait until ``requests`` is empty (every program in flight answered), or ``limit_seconds``."""
-    deadline = time.monotonic() + limit_seconds
-    while requests and time.monotonic() < deadline:
-        await asyncio.sleep(DRAIN_POLL_SECONDS)

@@ -46,16 +46,16 @@ def reusable(worker: Worker, max_programs: int) -> bool:
     return max_programs == 0 or worker.programs < max_programs
 
 
-def lease_times(asked_and_granted: tuple[float, float] | None, now: float) -> dict[str, float]:
+def lease_times(asked_and_granted: tuple[float, float] | None, now: float) -> tuple[float, float]:
     """A result's ``lease_wait_ms`` and ``lease_held_ms`` from the broker's own clock.
 
     Held is counted until the result arrived (``now``); the lease itself stays with the worker
     until it has exited.
     """
     if asked_and_granted is None:
-        return {"lease_wait_ms": 0.0, "lease_held_ms": 0.0}
+        return 0.0, 0.0
     asked, granted = asked_and_granted
-    return {"lease_wait_ms": (granted - asked) * MS_PER_S, "lease_held_ms": (now - granted) * MS_PER_S}
+    return (granted - asked) * MS_PER_S, (now - granted) * MS_PER_S
 
 
 __all__ = ["FINAL_BODY_MARGIN_BYTES", "lease_times", "oversized_result", "reusable"]

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
 
 log = structlog.get_logger("kcoral.supervisor")
@@ -167,11 +168,7 @@ class Supervisor:
                     state.process.kill()
                     await state.process.wait()
         await self._collect_orphans()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [
@@ -223,8 +220,9 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 env=spec.env if spec.env is not None else dict(os.environ),
                 limit=MAX_EVENT_LINE_BYTES,
-                # Its own session and process group: os.killpg(os.getpgid(os.getppid()), ...) in a
-                # program reaches its zygote at most, never the broker.
+                # Its own session: a terminal's Ctrl-C goes to the foreground process group, and
+                # must reach the broker alone (it drains), not bwrap or the zygote under it; and
+                # os.killpg(os.getpgid(os.getppid()), ...) in a program reaches its zygote at most.
                 start_new_session=True,
             )
         except OSError as exc:

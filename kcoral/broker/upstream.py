@@ -26,7 +26,6 @@ the broker are dropped: the router heartbeats its own clients.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket as stdlib_socket
 import time
 import uuid
@@ -38,7 +37,8 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.sockets import ImmediateSender
+from kcoral.service.sockets import receive_forever, send_now
+from kcoral.service.tasks import TaskSet
 
 log = structlog.get_logger("kcoral.upstream")
 
@@ -64,6 +64,11 @@ def default_node_id(listen: str) -> str:
     return f"{host}:{port}" if port.isdigit() else host
 
 
+def load_report(health: dict[str, Any]) -> dict[str, Any]:
+    """The NODE_HEARTBEAT body: the node's status and load, from its broker's health."""
+    return {"status": health.get("status"), "load": health.get("load")}
+
+
 def registration(node_id: str, health: dict[str, Any]) -> dict[str, Any]:
     """The NODE_REGISTER body: who this node is and what it serves, from its broker's health."""
     return {
@@ -72,8 +77,7 @@ def registration(node_id: str, health: dict[str, Any]) -> dict[str, Any]:
         "hostname": health.get("hostname"),
         "gpu_count": health.get("gpu_count"),
         "fake_gpus": health.get("fake_gpus", 0),
-        "status": health.get("status"),
-        "load": health.get("load"),
+        **load_report(health),
         "target": health.get("target"),
         "versions": health.get("versions"),
     }
@@ -100,10 +104,9 @@ class UpstreamLink:
         self.registered = False
         self.router_instance: str | None = None
         self.in_flight: set[str] = set()
-        self._local: zmq.asyncio.Socket | None = None
-        self._local_out: ImmediateSender | None = None
-        self._link_out: ImmediateSender | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._local: zmq.asyncio.Socket | None = None  # to the broker
+        self._link: zmq.asyncio.Socket | None = None  # to the router
+        self._tasks = TaskSet()
 
     # --- lifecycle ---
 
@@ -116,31 +119,24 @@ class UpstreamLink:
         local.setsockopt(zmq.IDENTITY, f"u-{uuid.uuid4().hex}".encode())
         local.connect(self.local_endpoint)
         self._local = local
-        # Sends fail at once (NOBLOCK) instead of waiting in a future nobody reads.
-        self._local_out = ImmediateSender(local)
         # Opened here, not in the task, so that a bad --upstream endpoint fails the start (ZMQError).
         link = self._open_link()
-        self._tasks = [asyncio.create_task(self._local_loop()), asyncio.create_task(self._link_loop(link))]
+        self._tasks.spawn(receive_forever(local, self._on_broker_message, "upstream_relay_failed"))
+        self._tasks.spawn(self._link_loop(link))
         log.info("upstream_starting", upstream=self.upstream, node=self.node_id)
 
     async def close(self) -> None:
         """Tell the router this node leaves, stop relaying and close the sockets; idempotent."""
         if self.registered:
             self._send_link(protocol.NODE_DISCONNECT, {"node_id": self.node_id})
-            if self._link_out is not None:
+            if self._link is not None:
                 # Give the goodbye a moment on the wire; the router would otherwise wait for
                 # HEARTBEAT_LIVENESS intervals before taking the node out of its pool.
-                self._link_out.socket.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
+                self._link.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+        await self._tasks.cancel_all()
         if self._local is not None:
             self._local.close(linger=0)
             self._local = None
-            self._local_out = None
 
     # --- the link to the router ---
 
@@ -155,7 +151,7 @@ class UpstreamLink:
         # A fresh identity per link: the router tells an old link's late messages from the new one's.
         sock.setsockopt(zmq.IDENTITY, f"n-{uuid.uuid4().hex}".encode())
         sock.connect(self.upstream)
-        self._link_out = ImmediateSender(sock)
+        self._link = sock
         return sock
 
     async def _link_loop(self, sock: zmq.asyncio.Socket) -> None:
@@ -197,7 +193,7 @@ class UpstreamLink:
 
     def _drop_link(self, sock: zmq.asyncio.Socket) -> None:
         self.registered = False
-        self._link_out = None
+        self._link = None
         sock.close()  # with the socket's own LINGER: 0, or a moment for a goodbye (see close)
         if self.in_flight:
             # The router has failed these with node_lost (or is gone): stop them here too.
@@ -213,13 +209,9 @@ class UpstreamLink:
             log.exception("upstream_health_failed", node=self.node_id)
             return
         if self.registered:
-            self._send_link(protocol.NODE_HEARTBEAT, {"status": health.get("status"), "load": health.get("load")})
+            self._send_link(protocol.NODE_HEARTBEAT, load_report(health))
         else:
             self._send_link(protocol.NODE_REGISTER, registration(self.node_id, health))
-
-    def _load_report(self) -> dict[str, Any]:
-        health = self.health()
-        return {"status": health.get("status"), "load": health.get("load")}
 
     def _on_router_message(self, frames: list[zmq.Frame]) -> str | None:
         """Handle one message from the router; a reason when the link must be dropped."""
@@ -254,7 +246,7 @@ class UpstreamLink:
             # Sent before the broker sees the upload: libzmq's I/O thread delivers it even while
             # this event loop is busy hashing and storing.
             quiet = data_bytes / INGEST_BYTES_PER_SECOND
-            self._send_link(protocol.NODE_HEARTBEAT, {**self._load_report(), "quiet_seconds": quiet})
+            self._send_link(protocol.NODE_HEARTBEAT, {**load_report(self.health()), "quiet_seconds": quiet})
             log.info("upstream_announced_quiet", node=self.node_id, request_id=request_id, seconds=round(quiet, 1))
         if not self._send_local(frames) and command == protocol.EXECUTE:
             self.in_flight.discard(request_id)
@@ -266,27 +258,25 @@ class UpstreamLink:
         return self._send_link_frames(protocol.message(command, body))
 
     def _send_link_frames(self, frames: list[Any]) -> bool:
-        if self._link_out is None:
+        # IMMEDIATE: with no connection to the router right now (routine while it restarts), what
+        # it would get is lost anyway.
+        return self._send(self._link, frames, log.debug, "upstream_send_failed")
+
+    def _send_local(self, frames: list[Any]) -> bool:
+        return self._send(self._local, frames, log.warning, "upstream_broker_unreachable")
+
+    def _send(self, sock: zmq.asyncio.Socket | None, frames: list[Any], report: Callable[..., Any], event: str) -> bool:
+        """Send now, or report why not (the link or the broker's socket is gone or full)."""
+        if sock is None:
             return False
         try:
-            self._link_out.send(frames)
+            send_now(sock, frames)
         except zmq.ZMQError as exc:
-            # IMMEDIATE: no connection to the router right now; what it would get is lost anyway.
-            log.debug("upstream_send_failed", node=self.node_id, error=str(exc))
+            report(event, node=self.node_id, error=str(exc))
             return False
         return True
 
     # --- the broker ---
-
-    async def _local_loop(self) -> None:
-        assert self._local is not None
-        while True:
-            frames = await self._local.recv_multipart(copy=False)
-            try:
-                self._on_broker_message(frames)
-            except Exception:
-                log.exception("upstream_relay_failed", node=self.node_id)
-            del frames  # large result frames go as soon as they are sent on
 
     def _on_broker_message(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -303,16 +293,6 @@ class UpstreamLink:
             self.in_flight.discard(request_id)
         if not self._send_link_frames(frames):
             log.warning("upstream_reply_lost", node=self.node_id, request_id=request_id, command=command.hex())
-
-    def _send_local(self, frames: list[Any]) -> bool:
-        if self._local_out is None:
-            return False
-        try:
-            self._local_out.send(frames)
-        except zmq.ZMQError as exc:
-            log.warning("upstream_broker_unreachable", node=self.node_id, error=str(exc))
-            return False
-        return True
 
 
 __all__ = ["UpstreamLink", "default_node_id", "registration"]

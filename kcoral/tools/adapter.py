@@ -210,6 +210,16 @@ def options_from_args(tool: str, args: argparse.Namespace) -> AdapterOptions:
     )
 
 
+def script_options(tool: str, args: argparse.Namespace, doing: str) -> AdapterOptions:
+    """The common flags of an adapter that runs a Python script under ``tool``: the script (first
+    after ``--``) is required, and sent along when it is a local file."""
+    options = options_from_args(tool, args)
+    if not options.tool_args:
+        raise UsageError(f"give the Python script to {doing} (and its arguments) after --")
+    send_script(options)
+    return options
+
+
 def send_script(options: AdapterOptions) -> None:
     """Send the script named first after ``--`` when it is a local file, so ``kcoral ncu --
     bench.py`` needs no ``--send bench.py``. A script outside the current folder goes under its base

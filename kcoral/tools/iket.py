@@ -16,14 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from kcoral.tools.adapter import (
-    UsageError,
-    fetch_automatically,
-    options_from_args,
-    run_steps,
-    send_script,
-    split_extra,
-)
+from kcoral.tools.adapter import fetch_automatically, run_steps, script_options, split_extra
 from kcoral.tools.service_side import PYTHON
 
 NAME = "iket"
@@ -47,10 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    options = options_from_args(NAME, args)
-    if not options.tool_args:
-        raise UsageError("give the Python script to trace (and its arguments) after --")
-    send_script(options)
+    options = script_options(NAME, args, "trace")
     fetch_automatically(options, args.output_dir)
     argv = [
         "run-iket",

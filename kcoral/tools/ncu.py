@@ -17,14 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from kcoral.tools.adapter import (
-    UsageError,
-    fetch_automatically,
-    options_from_args,
-    run_steps,
-    send_script,
-    split_extra,
-)
+from kcoral.tools.adapter import fetch_automatically, run_steps, script_options, split_extra
 from kcoral.tools.service_side import PYTHON
 
 NAME = "ncu"
@@ -46,10 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    options = options_from_args(NAME, args)
-    if not options.tool_args:
-        raise UsageError("give the Python script to profile (and its arguments) after --")
-    send_script(options)
+    options = script_options(NAME, args, "profile")
     base = args.report.removesuffix(REPORT_SUFFIX)
     report, csv = base + REPORT_SUFFIX, base + ".csv"
     folder = base.rpartition("/")[0]

@@ -15,14 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from kcoral.tools.adapter import (
-    UsageError,
-    fetch_automatically,
-    options_from_args,
-    run_steps,
-    send_script,
-    split_extra,
-)
+from kcoral.tools.adapter import fetch_automatically, run_steps, script_options, split_extra
 from kcoral.tools.service_side import PYTHON
 
 NAME = "sanitizer"
@@ -44,10 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    options = options_from_args(NAME, args)
-    if not options.tool_args:
-        raise UsageError("give the Python script to check (and its arguments) after --")
-    send_script(options)
+    options = script_options(NAME, args, "check")
     argv = ["compute-sanitizer", "--tool", args.tool]
     products = []
     for flag, path in (("--save", args.save), ("--log-file", args.log_file)):

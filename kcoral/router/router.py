@@ -32,22 +32,20 @@ What the router does, and why:
   node restart does not fail the programs submitted meanwhile; once the pool has been empty that
   long, queued and new programs are refused at once with ``busy``. A program that asks for more
   GPUs than any registered node has is refused with ``capacity``.
-- Sends never wait: ROUTER_MANDATORY sockets written through blocking shadows with NOBLOCK, so an
-  unreachable client or node shows up as an error here and now.
+- Sends never wait: ROUTER_MANDATORY sockets written with NOBLOCK (kcoral/service/sockets.py), so
+  an unreachable client or node shows up as an error here and now.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import platform
 import random
-import signal
 import socket as stdlib_socket
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
@@ -55,9 +53,20 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.requests import RequestQueue, until_no_requests
-from kcoral.broker.sockets import ImmediateSender, receive_forever, router_socket
+from kcoral.broker.requests import RequestQueue
 from kcoral.broker.target import versions
+from kcoral.router.nodes import (
+    Node,
+    RouterRequest,
+    choose_node,
+    merged_target,
+    parse_load_report,
+    parse_quiet_seconds,
+    parse_registration,
+)
+from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
+from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.router")
 
@@ -68,9 +77,6 @@ MAX_REMEMBERED_LOST_NODES = 256
 # noticed soon after its HEARTBEAT_LIVENESS intervals are up, not up to an interval later.
 CHECKS_PER_INTERVAL = 4
 GOODBYE_LINGER_MS = 200
-MAX_QUIET_SECONDS = protocol.MAX_TIMEOUT_SECONDS  # the most silence a node may announce
-SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
-NODE_STATUSES = ("ok", "draining")
 
 
 @dataclass(frozen=True)
@@ -87,87 +93,6 @@ class RouterSettings:
     node_blob_memory: int = NODE_BLOB_MEMORY
 
 
-@dataclass(eq=False)
-class RouterRequest:
-    id: str
-    client: bytes
-    gpu_count: int  # 0: the node's default, which any node can serve
-    digests: list[str]
-    frames: list[Any] | None  # the EXECUTE as received, kept until it goes to a node
-    received_at: float = field(default_factory=time.monotonic)
-    node: Node | None = None
-
-
-@dataclass(eq=False)
-class Node:
-    """A registered host broker, known by the identity of its current link."""
-
-    identity: bytes
-    node_id: str
-    instance_id: str
-    hostname: str
-    gpu_count: int
-    fake_gpus: int
-    status: str
-    load: dict[str, int]
-    target: dict[str, Any]
-    versions: dict[str, str]
-    registered_at: float = field(default_factory=time.time)
-    last_heard: float = field(default_factory=time.monotonic)
-    # Until then the node may be silent: it announced that it is storing a large upload.
-    quiet_until: float = 0.0
-    state: str = "live"
-    # False after a send to it failed; true again at its next message.
-    reachable: bool = True
-    requests: dict[str, RouterRequest] = field(default_factory=dict)
-    blobs: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    dispatched: int = 0
-    lost_reason: str | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.load.get("request_capacity", 0)
-
-    @property
-    def free_slots(self) -> int:
-        return self.capacity - len(self.requests)
-
-    @property
-    def dispatchable(self) -> bool:
-        return self.state == "live" and self.status == "ok" and self.reachable and self.free_slots > 0
-
-    def busyness(self) -> float:
-        return len(self.requests) / max(1, self.capacity)
-
-    def remember_blobs(self, digests: list[str], limit: int) -> None:
-        for digest in digests:
-            self.blobs[digest] = None
-            self.blobs.move_to_end(digest)
-        while len(self.blobs) > limit:
-            self.blobs.popitem(last=False)
-
-    def missing_blobs(self, digests: list[str]) -> int:
-        return sum(1 for d in digests if d not in self.blobs)
-
-    def describe(self, now: float) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "state": self.state if self.state != "live" else ("draining" if self.status == "draining" else "live"),
-            "hostname": self.hostname,
-            "instance_id": self.instance_id,
-            "gpus": self.gpu_count,
-            "fake_gpus": self.fake_gpus,
-            "load": dict(self.load),
-            "in_flight": len(self.requests),
-            "dispatched": self.dispatched,
-            "last_heard_s": round(now - self.last_heard, 3),
-            "registered_at": self.registered_at,
-            "arch": list(self.target.get("arch") or []),
-            "versions": {k: v for k, v in self.versions.items() if k in ("kcoral", "protocol", "torch")},
-            "lost_reason": self.lost_reason,
-        }
-
-
 class Router:
     """Queues clients' programs and dispatches them to registered host brokers."""
 
@@ -175,184 +100,126 @@ class Router:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex[:12]
         self.started_at = time.time()
-        self.context = zmq.asyncio.Context()
-        self.frontend = router_socket(self.context)
-        self.backend = router_socket(self.context)
-        self.frontend_out = ImmediateSender(self.frontend)
-        self.backend_out = ImmediateSender(self.backend)
-        self.requests: dict[str, RouterRequest] = {}
+        self.shell: ServiceShell[RouterRequest] = ServiceShell(
+            "router",
+            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            fail_request=self._finish_error,
+        )
+        self.shell.handlers.update(
+            {
+                protocol.EXECUTE: self._on_execute,
+                protocol.BLOBS: self._on_blobs,
+                protocol.CANCEL: self._on_cancel,
+                protocol.HEALTH: self.shell.answer(self.health),
+                protocol.TARGET: self.shell.answer(self.target),
+            }
+        )
+        self.requests = self.shell.requests
+        self.backend = router_socket(self.shell.context)
         self.queue: RequestQueue[RouterRequest] = RequestQueue()
         self.nodes: dict[bytes, Node] = {}  # live nodes by link identity
         self.lost_nodes: OrderedDict[str, Node] = OrderedDict()  # by node id, for health
         self.pool_empty_since: float | None = time.monotonic()
-        self.counters = {"finished": 0, "node_lost": 0, "refused": 0}
-        self.draining = False
-        self.stopped = asyncio.Event()
+        self.counters = {"finished": 0, "node_lost": 0}
         self.random = random.Random()
         # What does not change while the router runs, found once: HEALTH may be polled often.
         self.hostname = stdlib_socket.gethostname()
         self.versions = versions()
         self.platform = platform.platform()
-        self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ---
 
     async def serve(self) -> int:
-        """Run until stopped (SIGTERM/SIGINT drain in-flight programs first); return the exit code."""
-        self.frontend.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_request_bytes, protocol.MAX_BODY_BYTES))
-        self.frontend.bind(self.settings.listen)
+        """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
+        installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        return await self.shell.serve(self._open, self._release, self._counters)
+
+    async def _open(self) -> None:
         self.backend.bind(self.settings.nodes_listen)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.drain)
-        self._tasks = [
-            asyncio.create_task(self._client_loop()),
-            asyncio.create_task(self._node_loop()),
-            asyncio.create_task(self._tick_loop()),
-        ]
+        self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
+        self.shell.spawn(self._tick_loop(), name="ticks")
         log.info(
             "router_listening",
             endpoint=self.settings.listen,
             nodes_endpoint=self.settings.nodes_listen,
             instance_id=self.instance_id,
         )
-        await self.stopped.wait()
-        await self.close()
-        return 0
 
-    def drain(self) -> None:
-        """Stop taking programs; finish those in flight, then stop."""
-        if self.draining:
-            return
-        self.draining = True
-        log.info("router_draining", in_flight=len(self.requests))
-        asyncio.get_running_loop().create_task(self._finish_draining())
-
-    async def _finish_draining(self) -> None:
-        await until_no_requests(self.requests, SHUTDOWN_DRAIN_SECONDS)
-        self.stopped.set()
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def _release(self) -> None:
         # Nodes register again at once with whichever router comes next, instead of waiting for
         # HEARTBEAT_LIVENESS intervals of silence.
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
-        self.frontend.close(linger=0)
         self.backend.close(linger=GOODBYE_LINGER_MS)
-        self.context.term()
-        log.info("router_stopped", **self.counters)
+
+    def _counters(self) -> dict[str, int]:
+        return {**self.counters, "refused": self.shell.refused}
 
     # --- clients ---
 
-    async def _client_loop(self) -> None:
-        await receive_forever(self.frontend, self._handle_client, "client_message_failed")
-
-    def _handle_client(self, frames: list[zmq.Frame]) -> None:
-        client = bytes(frames[0].buffer)
-        message = frames[1:]
-        try:
-            command, body, _ = protocol.split_message([f.buffer for f in message])
-            request_id = protocol.check_id(body.get("request_id"), "request_id")
-        except protocol.WireError as exc:
-            log.warning("bad_client_message", error=str(exc), frames=len(message))
+    def _on_execute(self, message: ClientMessage) -> None:
+        client, request_id = message.client, message.request_id
+        admitted = admit_execute(
+            message.body,
+            service="router",
+            already_in_flight=request_id in self.requests,
+            draining=self.shell.draining,
+            waiting=len(self.queue),
+            max_queued=self.settings.max_queued,
+            max_request_bytes=self.settings.max_request_bytes,
+            capacity=lambda options: self._unservable(options.gpu_count or 0, queued_for=None),
+        )
+        if isinstance(admitted, Refusal):
+            self.shell.refuse(client, request_id, *admitted)
             return
-        try:
-            if command == protocol.EXECUTE:
-                self._on_execute(client, request_id, body, message)
-            elif command == protocol.BLOBS:
-                self._on_blobs(client, request_id, body, message)
-            elif command == protocol.CANCEL:
-                self._on_cancel(client, request_id)
-            elif command == protocol.HEALTH:
-                self._reply(client, protocol.final_body(request_id, self.health()))
-            elif command == protocol.TARGET:
-                self._reply(client, protocol.final_body(request_id, self.target()))
-            else:
-                self._refuse(client, request_id, "parse", f"unknown command {command.hex()}")
-        except Exception as exc:
-            # A bug must not leave a client waiting for ever: answer it.
-            log.exception("client_command_failed", request_id=request_id, command=command.hex())
-            request = self.requests.get(request_id)
-            if request is not None and request.client == client:
-                self._finish_error(request, "engine", f"internal error in the router: {exc!r}")
-            else:
-                self._refuse(client, request_id, "engine", f"internal error in the router: {exc!r}")
-
-    def _on_execute(self, client: bytes, request_id: str, body: dict[str, Any], message: list[Any]) -> None:
-        if request_id in self.requests:
-            self._refuse(client, request_id, "parse", "a request with this id is already in flight")
-            return
-        if self.draining:
-            self._refuse(client, request_id, "busy", "the router is shutting down")
-            return
-        if len(self.queue) >= self.settings.max_queued:
-            self._refuse(client, request_id, "busy", f"the queue is full ({self.settings.max_queued} programs)")
-            return
-        try:
-            _, options, digests = protocol.parse_execute(body)
-        except protocol.WireError as exc:
-            self._refuse(client, request_id, "parse", str(exc))
-            return
-        gpu_count = options.gpu_count or 0
-        refusal = self._unservable(gpu_count, queued_for=None)
-        if refusal is not None:
-            self._refuse(client, request_id, *refusal)
-            return
-        request = RouterRequest(request_id, client, gpu_count, digests, message)
-        self.requests[request_id] = request
+        gpu_count, digests = admitted.options.gpu_count or 0, admitted.digests
+        request = RouterRequest(request_id, client, gpu_count, digests, message.frames)
+        self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
         self._dispatch()
 
-    def _unservable(self, gpu_count: int, queued_for: float | None) -> tuple[str, str] | None:
+    def _unservable(self, gpu_count: int, queued_for: float | None) -> Refusal | None:
         """(kind, message) when a program needing ``gpu_count`` GPUs should be refused now;
         ``queued_for`` is how long it has waited in the queue, None for one just arrived."""
         if not self.nodes:
             empty_for = time.monotonic() - (self.pool_empty_since or time.monotonic())
             if empty_for >= self.settings.node_wait_seconds:
-                return "busy", f"no host broker has been registered with this router for {empty_for:.0f} s"
+                return Refusal("busy", f"no host broker has been registered with this router for {empty_for:.0f} s")
             return None
         most = max(node.gpu_count for node in self.nodes.values())
         # A queued program gets node_wait seconds for a larger node (one restarting) to come back.
-        if gpu_count > most and (queued_for is None or queued_for >= self.settings.node_wait_seconds):
-            return "capacity", f"the program asks for {gpu_count} GPUs; the largest node has {most}"
+        if queued_for is None or queued_for >= self.settings.node_wait_seconds:
+            return refuse_gpu_count(gpu_count, most, where="the largest node")
         return None
 
-    def _on_blobs(self, client: bytes, request_id: str, body: dict[str, Any], message: list[Any]) -> None:
-        request = self.requests.get(request_id)
-        if request is None or request.client != client or request.node is None:
-            self._refuse(client, request_id, "parse", "BLOBS for no request that is waiting for blobs")
+    def _on_blobs(self, message: ClientMessage) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None or request.node is None:
+            text = "BLOBS for no request that is waiting for blobs"
+            self.shell.refuse(message.client, message.request_id, "parse", text)
             return
         node = request.node
-        if not self._send_node(node.identity, message):
+        if not self._send_node(node.identity, message.frames):
             self._finish_error(request, "node_lost", f"node {node.node_id} cannot be reached")
             return
-        sent = body.get("blobs")
+        sent = message.body.get("blobs")
         if isinstance(sent, list):
             node.remember_blobs([d for d in sent if isinstance(d, str)], self.settings.node_blob_memory)
 
-    def _on_cancel(self, client: bytes, request_id: str) -> None:
-        request = self.requests.get(request_id)
-        if request is None or request.client != client:
+    def _on_cancel(self, message: ClientMessage) -> None:
+        request = self.requests.of(message.client, message.request_id)
+        if request is None:
             return
-        log.info("request_cancelled", request_id=request_id, node=request.node.node_id if request.node else None)
+        log.info("request_cancelled", request_id=request.id, node=request.node.node_id if request.node else None)
         node = request.node
-        cancel = protocol.message(protocol.CANCEL, {"request_id": request_id})
+        cancel = protocol.message(protocol.CANCEL, {"request_id": request.id})
         if node is None or not self._send_node(node.identity, cancel):
             # Still here, or its node cannot be told (the node cancels what it holds when it finds
             # its link gone): the program is cancelled for the client either way.
             self._finish_error(request, "cancelled", "the client cancelled the program")
 
     # --- nodes ---
-
-    async def _node_loop(self) -> None:
-        await receive_forever(self.backend, self._handle_node, "node_message_failed")
 
     def _handle_node(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
@@ -387,15 +254,7 @@ class Router:
 
     def _on_register(self, identity: bytes, body: dict[str, Any]) -> None:
         try:
-            node_id = protocol.check_id(body.get("node_id"), "node id")
-            gpu_count = _count(body.get("gpu_count"), "gpu_count")
-            fake_gpus = _count(body.get("fake_gpus", 0), "fake_gpus")
-            status = _status(body.get("status"))
-            load = _load(body.get("load"))
-            target = body.get("target") or {}
-            node_versions = body.get("versions") or {}
-            if not isinstance(target, dict) or not isinstance(node_versions, dict):
-                raise protocol.WireError("target and versions must be maps")
+            registered = parse_registration(identity, body)
         except protocol.WireError as exc:
             log.warning("bad_registration", link=identity.decode(errors="replace"), error=str(exc))
             body = {"reason": f"registration refused: {exc}"}
@@ -403,47 +262,33 @@ class Router:
             return
         node = self.nodes.get(identity)
         if node is None:
-            for other in [n for n in self.nodes.values() if n.node_id == node_id]:
+            for other in [n for n in self.nodes.values() if n.node_id == registered.node_id]:
                 # The same node on a new link: it restarted, or dropped its old link; what the old
                 # link carried is lost on the node's side (or a second node uses the same id).
                 self._lose_node(other, "registered again on a new link")
-            node = Node(
-                identity=identity,
-                node_id=node_id,
-                instance_id=str(body.get("instance_id")),
-                hostname=str(body.get("hostname")),
-                gpu_count=gpu_count,
-                fake_gpus=fake_gpus,
-                status=status,
-                load=load,
-                target=target,
-                versions={str(k): str(v) for k, v in node_versions.items()},
-            )
-            self.nodes[identity] = node
-            self.lost_nodes.pop(node_id, None)
+            self.nodes[identity] = node = registered
+            self.lost_nodes.pop(node.node_id, None)
             self.pool_empty_since = None
             log.info(
                 "node_registered",
-                node=node_id,
+                node=node.node_id,
                 hostname=node.hostname,
-                gpus=gpu_count,
+                gpus=node.gpu_count,
                 slots=node.capacity,
-                arch=target.get("arch"),
+                arch=node.target.get("arch"),
                 version=node.versions.get("kcoral"),
             )
         else:
-            node.status, node.load, node.last_heard, node.reachable = status, load, time.monotonic(), True
+            node.status, node.load = registered.status, registered.load
+            node.last_heard, node.reachable = time.monotonic(), True
         self._send_node(identity, protocol.message(protocol.NODE_REGISTERED, {"instance_id": self.instance_id}))
         self._dispatch()
 
     def _on_node_heartbeat(self, node: Node, body: dict[str, Any]) -> None:
-        node.status = _status(body.get("status"))
-        node.load = _load(body.get("load"))
-        quiet = body.get("quiet_seconds")
+        node.status, node.load = parse_load_report(body)
+        quiet = parse_quiet_seconds(body.get("quiet_seconds"))
         if quiet is not None:
-            if isinstance(quiet, bool) or not isinstance(quiet, (int, float)) or not quiet >= 0:
-                raise protocol.WireError(f"quiet_seconds must be a number >= 0, not {quiet!r}")
-            node.quiet_until = time.monotonic() + min(float(quiet), MAX_QUIET_SECONDS)
+            node.quiet_until = time.monotonic() + quiet
             log.info("node_quiet", node=node.node_id, seconds=round(quiet, 1))
         self._dispatch()
 
@@ -455,7 +300,7 @@ class Router:
         if body.get("state") == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
-        self._send_client(request.client, message, request_id)
+        self.shell.send(request.client, message, request_id)
 
     def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
         request = node.requests.get(request_id)
@@ -496,25 +341,13 @@ class Router:
             request = self.queue.pop()
             if request is None:
                 break
-            node = self._choose_node(request, ready)
+            node = choose_node(request, ready, self.random)
             if node is None or not self._start(request, node):
                 deferred.append(request)
             ready = [n for n in ready if n.dispatchable]
         # Those that fit no free node keep their place at the head of their client's queue.
         for request in reversed(deferred):
             self.queue.push_front(request, serve_client_next=False)
-
-    def _choose_node(self, request: RouterRequest, ready: list[Node]) -> Node | None:
-        fits = [n for n in ready if n.gpu_count >= request.gpu_count]
-        if len(fits) > 1 and request.digests:
-            missing = {n.identity: n.missing_blobs(request.digests) for n in fits}
-            fewest = min(missing.values())
-            fits = [n for n in fits if missing[n.identity] == fewest]
-        if len(fits) > 2:
-            fits = self.random.sample(fits, 2)
-        if not fits:
-            return None
-        return min(fits, key=lambda n: (n.busyness(), self.random.random()))
 
     def _start(self, request: RouterRequest, node: Node) -> bool:
         assert request.frames is not None
@@ -538,38 +371,23 @@ class Router:
 
     def _finish(self, request: RouterRequest, message: list[Any]) -> None:
         """Send a request's FINAL and forget it."""
-        if self.requests.pop(request.id, None) is None:
+        if self.requests.pop(request.id) is None:
             return
         if request.node is not None:
             request.node.requests.pop(request.id, None)
         else:
             self.queue.remove(request)
         self.counters["finished"] += 1
-        self._send_client(request.client, message, request.id)
+        self.shell.send(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
         log.info("request_failed", request_id=request.id, kind=kind, reason=text)
         self._finish(request, protocol.final_error(request.id, kind, text))
 
-    def _refuse(self, client: bytes, request_id: str, kind: str, text: str) -> None:
-        self.counters["refused"] += 1
-        log.info("request_refused", request_id=request_id, kind=kind, reason=text)
-        self._send_client(client, protocol.final_error(request_id, kind, text), request_id)
-
-    def _reply(self, client: bytes, body: dict[str, Any]) -> None:
-        self._send_client(client, protocol.message(protocol.FINAL, body), body.get("request_id"))
-
-    def _send_client(self, client: bytes, message: list[Any], request_id: str | None) -> None:
-        try:
-            self.frontend_out.send([client, *message])
-        except zmq.ZMQError as exc:
-            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
-            log.info("client_unreachable", request_id=request_id, error=str(exc))
-
     def _send_node(self, identity: bytes, message: list[Any]) -> bool:
         try:
-            self.backend_out.send([identity, *message])
+            send_now(self.backend, [identity, *message])
         except zmq.ZMQError as exc:
             log.info("node_unreachable", link=identity.decode(errors="replace"), error=str(exc))
             return False
@@ -591,7 +409,7 @@ class Router:
                 self._dispatch()
 
     def _expire_nodes(self, now: float) -> None:
-        if cast(int, self.backend_out.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if cast(int, self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return  # messages are waiting to be read (this loop was busy): they may be heartbeats
         liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
         for node in [n for n in self.nodes.values() if now - n.last_heard > liveness and now > n.quiet_until]:
@@ -601,14 +419,12 @@ class Router:
         beat = protocol.message(protocol.NODE_HEARTBEAT, {})
         for node in self.nodes.values():
             self._send_node(node.identity, beat)
-        client_beat = protocol.message(protocol.HEARTBEAT, {})
-        for client in {r.client for r in self.requests.values()}:
-            self._send_client(client, client_beat, None)
+        self.shell.heartbeat_clients()
 
     def _expire_queued(self, now: float) -> None:
         """A queued program never waits for ever: see the module docstring for the rules."""
         limit = self.settings.queue_timeout_seconds
-        for request in [r for r in self.requests.values() if r.node is None]:
+        for request in [r for r in self.requests if r.node is None]:
             waited = now - request.received_at
             if waited > limit:
                 self._finish_error(request, "timeout", f"the program waited {limit:g} s without a free node")
@@ -624,7 +440,7 @@ class Router:
         live = list(self.nodes.values())
         queued = len(self.queue)
         return {
-            "status": "draining" if self.draining else "ok",
+            "status": "draining" if self.shell.draining else "ok",
             "role": "router",
             "instance_id": self.instance_id,
             "started_at": self.started_at,
@@ -638,54 +454,14 @@ class Router:
                 "max_queued": self.settings.max_queued,
                 "queued_at_router": queued,
             },
-            "counters": dict(self.counters),
+            "counters": self._counters(),
             "target": self.target(),
             "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],
         }
 
     def target(self) -> dict[str, Any]:
-        """The live nodes' targets merged: every GPU (with its node), the union of archs."""
-        live = list(self.nodes.values())
-        gpus = [
-            {**gpu, "node": n.node_id} for n in live for gpu in (n.target.get("gpus") or []) if isinstance(gpu, dict)
-        ]
-        arch = sorted({str(a) for n in live for a in (n.target.get("arch") or [])})
-        devices = {n.target.get("device") for n in live}
-        return {
-            "device": "gpu" if "gpu" in devices else ("cpu" if live else "none"),
-            "fake_gpus": sum(n.fake_gpus for n in live),
-            "gpus": gpus,
-            "arch": arch,
-            "platform": self.platform,
-            "python": platform.python_version(),
-            "nodes": {n.node_id: n.target for n in live},
-        }
+        return merged_target(list(self.nodes.values()), self.platform)
 
 
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise protocol.WireError(f"{what} must be an integer >= 0, not {value!r}")
-    return value
-
-
-def _status(value: object) -> str:
-    if value not in NODE_STATUSES:
-        raise protocol.WireError(f"node status must be one of {NODE_STATUSES}, not {value!r}")
-    return str(value)
-
-
-def _load(value: object) -> dict[str, int]:
-    if not isinstance(value, dict):
-        raise protocol.WireError("load must be a map")
-    return {
-        key: _count(value.get(key, 0), key) for key in ("request_capacity", "requests_in_progress", "requests_waiting")
-    }
-
-
-async def run_router(settings: RouterSettings) -> int:
-    router = Router(settings)
-    return await router.serve()
-
-
-__all__ = ["Router", "RouterSettings", "run_router"]
+__all__ = ["NODE_WAIT_SECONDS", "Router", "RouterSettings"]

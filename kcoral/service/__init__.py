@@ -1,0 +1,2 @@
+"""What every KCoral service (the host broker, the router) is built on: the client-facing shell,
+its sockets and its tasks."""

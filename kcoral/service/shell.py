@@ -1,0 +1,337 @@
+"""The service shell: the client side that the host broker and the router share.
+
+A service holds one :class:`ServiceShell` (composition: the shell knows nothing of workers, nodes or
+blobs) and fills its dispatch table, one handler per command. The shell owns:
+
+- the zmq context and the client ROUTER socket: options, bind, close;
+- the receive loop: each message is read (``split_message``), checked (a readable ``request_id``),
+  passed through the message hooks, then to its command's handler; an unreadable message that still
+  names a request id is answered ``parse`` (docs/protocol.md, section 9), and a handler that raises
+  answers its request ``engine`` instead of leaving the client waiting;
+- one set of replies: :meth:`reply`, :meth:`reply_ok`, :meth:`refuse`, :meth:`heartbeat_clients`;
+- the requests in flight (:class:`InFlightTable`), whose emptiness ends a drain;
+- the service's tasks (:class:`~kcoral.service.tasks.TaskSet`), cancelled together;
+- the lifecycle, as one runner owns it in aiohttp's ``web_runner``. A service's ``serve`` is
+  ``await shell.serve(start, release)``, which runs these steps::
+
+      bind()                  # socket options, then bind: a bad endpoint raises zmq.ZMQError
+      await start()           # the service's own sockets and loops (spawned as the shell's tasks)
+      await run()             # the client loop, until stop(); drain() finishes what is in flight first
+      await close()           # always: answer what is still in flight, cancel the tasks,
+      await release()         # let the service close its own sockets and processes,
+      terminate()             # and end the context
+
+``serve`` touches no signals: the entry point (``kcoral/cli.py``) maps SIGTERM and SIGINT to
+:meth:`drain` and a second SIGINT to :meth:`stop`, as arq leaves them to its runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from kcoral import protocol
+from kcoral.service.sockets import receive_forever, router_socket, send_now
+from kcoral.service.tasks import TaskSet
+
+log = structlog.get_logger("kcoral.service")
+
+# A drain waits this long for the programs in flight: the longest a program may run, and a margin.
+SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
+
+
+@dataclass(frozen=True)
+class ClientMessage:
+    """One readable message from a client."""
+
+    client: bytes  # the client's routing identity
+    command: bytes
+    request_id: str
+    body: dict[str, Any]
+    frames: list[zmq.Frame]  # the message as received, without the identity: what a router forwards
+    data: list[memoryview]  # the frames after the body: blobs
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(len(frame) for frame in self.data)
+
+
+Handler = Callable[[ClientMessage], None]
+# A hook sees every readable message before its handler; it returns (kind, message) to refuse it.
+MessageHook = Callable[[ClientMessage], "tuple[str, str] | None"]
+
+
+class InFlight(Protocol):
+    """A request the service has taken and not yet answered with a FINAL."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def client(self) -> bytes: ...
+
+
+RequestT = TypeVar("RequestT", bound=InFlight)
+
+
+class InFlightTable(Generic[RequestT]):
+    """The requests in flight by id; ``empty`` is set whenever there are none (a drain waits on it)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, RequestT] = {}
+        self.empty = asyncio.Event()
+        self.empty.set()
+
+    def add(self, request: RequestT) -> None:
+        self._by_id[request.id] = request
+        self.empty.clear()
+
+    def pop(self, request_id: str) -> RequestT | None:
+        request = self._by_id.pop(request_id, None)
+        if not self._by_id:
+            self.empty.set()
+        return request
+
+    def get(self, request_id: str) -> RequestT | None:
+        return self._by_id.get(request_id)
+
+    def of(self, client: bytes, request_id: str) -> RequestT | None:
+        """The request with this id, if it is this client's."""
+        request = self._by_id.get(request_id)
+        return request if request is not None and request.client == client else None
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[RequestT]:
+        return iter(list(self._by_id.values()))
+
+    def clients(self) -> set[bytes]:
+        return {request.client for request in self._by_id.values()}
+
+
+@dataclass(frozen=True)
+class ShellSettings:
+    """Where and how the client socket listens."""
+
+    listen: str
+    # libzmq disconnects a peer that sends a larger frame (docs/protocol.md, section 1).
+    max_message_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
+    # Set on the client socket before it binds (CurveZMQ keys and ZAP domain, say).
+    socket_options: Mapping[int, int | bytes] = field(default_factory=dict)
+    drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
+
+
+class ServiceShell(Generic[RequestT]):
+    """The client socket, receive loop, replies, requests in flight, tasks and lifecycle of one
+    service; ``fail_request`` is how the service ends one of its requests with an error."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: ShellSettings,
+        *,
+        fail_request: Callable[[RequestT, str, str], None],
+    ) -> None:
+        self.name = name  # "broker" or "router": in log events and messages
+        self.settings = settings
+        self.context = zmq.asyncio.Context()
+        self.clients = router_socket(self.context)
+        self.handlers: dict[bytes, Handler] = {}
+        self.hooks: list[MessageHook] = []
+        self.requests: InFlightTable[RequestT] = InFlightTable()
+        self.tasks = TaskSet()
+        self.draining = False
+        self.refused = 0
+        self._fail_request = fail_request
+        self._stopped = asyncio.Event()
+
+    # --- lifecycle ---
+
+    async def serve(
+        self,
+        start: Callable[[], Awaitable[None]],
+        release: Callable[[], Awaitable[None]],
+        counters: Callable[[], dict[str, Any]] = dict,
+    ) -> int:
+        """Bind, ``start`` the service, serve clients until stopped, then close everything (also
+        when a step fails): the steps in the module docstring. Returns the exit code; a service
+        that served logs ``<name>_stopped`` with its ``counters()`` last."""
+        served = False
+        try:
+            self.bind()
+            await start()
+            served = True
+            await self.run()
+        finally:
+            await self.close()
+            try:
+                await release()
+            finally:
+                self.terminate()
+        if served:
+            log.info(f"{self.name}_stopped", **counters())
+        return 0
+
+    def bind(self, *more_endpoints: str) -> None:
+        """Set the socket's options and bind it to ``settings.listen`` (and ``more_endpoints``)."""
+        self.clients.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_message_bytes, protocol.MAX_BODY_BYTES))
+        for option, value in self.settings.socket_options.items():
+            self.clients.set(option, value)
+        for endpoint in (self.settings.listen, *more_endpoints):
+            self.clients.bind(endpoint)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
+        """Run ``coroutine`` as one of the service's tasks (cancelled by :meth:`close`)."""
+        return self.tasks.spawn(coroutine, name=name)
+
+    async def run(self) -> None:
+        """Serve clients until :meth:`stop` (which a finished :meth:`drain` calls)."""
+        self.spawn(receive_forever(self.clients, self._on_message, "client_message_failed"), name="clients")
+        await self._stopped.wait()
+
+    def drain(self) -> None:
+        """Take no more programs; stop once those in flight are answered (or the drain time is up)."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info(f"{self.name}_draining", in_flight=len(self.requests))
+        self.spawn(self._stop_when_drained(), name="drain")
+
+    async def _stop_when_drained(self) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.requests.empty.wait(), self.settings.drain_seconds)
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop now: :meth:`run` returns, and :meth:`close` answers what is still in flight."""
+        self._stopped.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
+
+    async def close(self) -> None:
+        """Answer every request still in flight (``engine``), then cancel the service's tasks."""
+        for request in self.requests:
+            self.requests.pop(request.id)
+            message = f"the {self.name} stopped before the program finished"
+            self.send(request.client, protocol.final_error(request.id, "engine", message), request.id)
+        await self.tasks.cancel_all()
+
+    def terminate(self) -> None:
+        """Close the client socket, any socket the service left open (with its own linger), and
+        the context."""
+        self.clients.close(linger=0)
+        self.context.destroy()
+
+    # --- the receive loop ---
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        client = bytes(frames[0].buffer)
+        message = frames[1:]
+        try:
+            command, body, data = protocol.split_message([f.buffer for f in message])
+        except protocol.WireError as exc:
+            log.warning("bad_client_message", error=str(exc), frames=len(message))
+            self._answer_unreadable(client, message, exc)
+            return
+        try:
+            request_id = protocol.check_id(body.get("request_id"), "request_id")
+        except protocol.WireError as exc:
+            log.warning("bad_client_message", error=str(exc), command=command.hex())
+            return
+        self.dispatch(ClientMessage(client, command, request_id, body, message, data))
+
+    def dispatch(self, message: ClientMessage) -> None:
+        """Pass ``message`` through the hooks to its handler; a handler that raises answers ``engine``."""
+        try:
+            for hook in self.hooks:
+                refusal = hook(message)
+                if refusal is not None:
+                    self.refuse(message.client, message.request_id, *refusal)
+                    return
+            handler = self.handlers.get(message.command)
+            if handler is None:
+                self.refuse(message.client, message.request_id, "parse", f"unknown command {message.command.hex()}")
+                return
+            handler(message)
+        except Exception as exc:
+            self.fail_internal(message, exc)
+
+    def fail_internal(self, message: ClientMessage, exc: Exception) -> None:
+        """A bug must not leave a request in limbo with its client waiting: answer it."""
+        log.exception("client_command_failed", request_id=message.request_id, command=message.command.hex())
+        text = f"internal error in the {self.name}: {exc!r}"
+        request = self.requests.of(message.client, message.request_id)
+        if request is not None:
+            self._fail_request(request, "engine", text)
+        else:
+            self.refuse(message.client, message.request_id, "engine", text)
+
+    def _answer_unreadable(self, client: bytes, message: list[zmq.Frame], exc: protocol.WireError) -> None:
+        """Answer a message that cannot be read, where its request id can still be found, so its
+        sender is told why instead of waiting."""
+        if len(message) < 3 or bytes(message[0].buffer) != protocol.VERSION:
+            return
+        try:
+            request_id = protocol.peek_request_id(message[2].buffer)
+        except protocol.WireError:
+            return
+        if request_id not in self.requests:
+            self.refuse(client, request_id, "parse", f"unreadable message: {exc}")
+
+    def answer(self, result: Callable[[], dict[str, Any]]) -> Handler:
+        """A handler that answers every request with ``result()`` (HEALTH, TARGET)."""
+        return lambda message: self.reply_ok(message.client, message.request_id, result())
+
+    # --- replies ---
+
+    def send(self, client: bytes, message: list[Any], request_id: str | None = None) -> bool:
+        """Send ``message`` to ``client`` now; False when the client is gone."""
+        try:
+            send_now(self.clients, [client, *message])
+        except zmq.ZMQError as exc:
+            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
+            log.info("client_unreachable", request_id=request_id, error=str(exc))
+            return False
+        return True
+
+    def reply(self, client: bytes, command: bytes, body: dict[str, Any], *data: Any) -> bool:
+        return self.send(client, protocol.message(command, body, *data), body.get("request_id"))
+
+    def reply_ok(self, client: bytes, request_id: str, result: dict[str, Any]) -> None:
+        self.reply(client, protocol.FINAL, protocol.final_body(request_id, result))
+
+    def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
+        """Answer a request that was not taken with FINAL ``kind``."""
+        self.refused += 1
+        log.info("request_refused", request_id=request_id, kind=kind, reason=message)
+        self.send(client, protocol.final_error(request_id, kind, message), request_id)
+
+    def heartbeat_clients(self) -> None:
+        """A HEARTBEAT to every client with a request in flight, so it knows the service lives."""
+        beat = protocol.message(protocol.HEARTBEAT, {})
+        for client in self.requests.clients():
+            self.send(client, beat)
+
+
+__all__ = [
+    "SHUTDOWN_DRAIN_SECONDS",
+    "ClientMessage",
+    "InFlight",
+    "InFlightTable",
+    "MessageHook",
+    "ServiceShell",
+    "ShellSettings",
+]
