@@ -331,9 +331,10 @@ def _failed_body(request_id: str, kind: str, message: str) -> dict[str, Any]:
 # --- the bounds of one RESULT -------------------------------------------------------------------
 
 
-def _cut_text(text: str, most_bytes: int) -> tuple[str, bool]:
-    """``text`` cut to ``most_bytes`` of UTF-8 at a character boundary; whether it was cut."""
-    data = text.encode("utf-8", errors="replace")
+def _cut_text(text: str, most_bytes: int, encoded: bytes | None = None) -> tuple[str, bool]:
+    """``text`` cut to ``most_bytes`` of UTF-8 at a character boundary; whether it was cut.
+    ``encoded``: its UTF-8, when the caller has it already (output can be 64 MiB and more)."""
+    data = text.encode("utf-8", errors="replace") if encoded is None else encoded
     if len(data) <= most_bytes:
         return text, False
     return data[:most_bytes].decode("utf-8", errors="ignore"), True
@@ -357,7 +358,8 @@ def bounded_result(body: dict[str, Any], frames: list[Any]) -> tuple[bytes, list
                 error[name] = cut + (" [cut]" if was_cut else "")
     budget = protocol.MAX_BODY_BYTES - RESULT_BODY_MARGIN_BYTES
     output = {name: str(body.get(name) or "") for name in ("stdout", "stderr")}
-    sizes = {name: len(text.encode("utf-8", errors="replace")) for name, text in output.items()}
+    encoded = {name: text.encode("utf-8", errors="replace") for name, text in output.items()}
+    sizes = {name: len(data) for name, data in encoded.items()}
     # Output up to this much always fits beside values within the interpreter's bound.
     room = OUTPUT_ALWAYS_FITS_BYTES
     if sum(sizes.values()) > room:
@@ -368,8 +370,9 @@ def bounded_result(body: dict[str, Any], frames: list[Any]) -> tuple[bytes, list
         shares["stdout"] = min(sizes["stdout"], room - shares["stderr"])
         shares["stderr"] = min(sizes["stderr"], room - shares["stdout"])
         for name, text in output.items():
-            body[name], was_cut = _cut_text(text, shares[name])
+            body[name], was_cut = _cut_text(text, shares[name], encoded[name])
             body[f"{name}_truncated"] = bool(body.get(f"{name}_truncated")) or was_cut
+    del encoded
     packed = protocol.pack(body)
     if len(packed) <= budget and len(frames) <= protocol.MAX_FRAMES - 3:
         return packed, frames
