@@ -29,6 +29,7 @@ from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
 # How long a worker waits for the broker before it takes the broker for gone.
 BROKER_SILENCE_SECONDS = 3600.0
+READY_REPEAT_SECONDS = 5.0  # READY again this often until the first program comes
 # Bounds on the text of an error in a RESULT: an exception's message can be any size.
 MAX_ERROR_MESSAGE_BYTES = 64 << 10
 MAX_TRACEBACK_BYTES = 1 << 20
@@ -174,17 +175,24 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
     socket.setsockopt(zmq.LINGER, 10_000)  # results must reach the broker before exit
     socket.connect(settings.connect)
-    socket.send_multipart(
-        protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
-    )
+    ready = protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
+    socket.send_multipart(ready)
     ready_at = time.time()
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
+    silent_since = time.monotonic()
     try:
         while True:
-            if not poller.poll(int(BROKER_SILENCE_SECONDS * 1000)):
-                return 0
+            if not poller.poll(int(READY_REPEAT_SECONDS * 1000)):
+                if time.monotonic() - silent_since > BROKER_SILENCE_SECONDS:
+                    return 0
+                if done == 0:
+                    # The broker forgets a READY it cannot place yet after a while (a spare's comes
+                    # before the zygote announces it, which waits for the previous worker's exit).
+                    socket.send_multipart(ready)
+                continue
+            silent_since = time.monotonic()
             raw = socket.recv_multipart(copy=False)
             try:
                 command, body, data = protocol.split_message([f.buffer for f in raw])
