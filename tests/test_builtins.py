@@ -8,27 +8,16 @@ import textwrap
 
 import pytest
 
-from kcoral import builtins
-from kcoral.builtins import (
-    Activity,
-    BenchmarkConfig,
-    GpuAccessGuard,
-    activities_stable,
-    benchmark,
-    busy_ns,
-    clock_is_steady,
-    count_from_budget,
-    hold_ends_by_call,
-    initial_hold_us,
-    is_harmless_cuda_call,
-    spans_by_call,
-    split_config,
-    summarize,
-    throttle_reason_names,
-)
+from kcoral.builtins import BenchmarkConfig, GpuAccessGuard, benchmark
 from kcoral.errors import ExecutionError
-from kcoral.timing.cupti import EXTERNAL_ID_BLOCK
-from kcoral.timing.timers import timed_calls
+from kcoral.gpu_guard import is_harmless_cuda_call
+from kcoral.timing import config as timing_config
+from kcoral.timing import stats, timers
+from kcoral.timing.config import split_config
+from kcoral.timing.cupti import busy_ns
+from kcoral.timing.nvml import clock_is_steady, throttle_reason_names
+from kcoral.timing.stats import activities_stable, count_from_budget, summarize
+from kcoral.timing.timers import initial_hold_us
 
 torch = pytest.importorskip("torch")
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a host without a GPU")
@@ -109,14 +98,22 @@ def test_bad_values_are_parse_errors(values: dict[str, object]) -> None:
 
 def test_counts_and_budgets_are_capped() -> None:
     config = BenchmarkConfig.from_mapping({"repeat": 10**9, "warmup": 10**9, "repeat_ms": 1e9, "warmup_ms": 1e9})
-    assert config.repeat == builtins.MAX_COUNT
-    assert config.warmup == builtins.MAX_COUNT
-    assert config.repeat_ms == builtins.MAX_BUDGET_MS
-    assert config.warmup_ms == builtins.MAX_BUDGET_MS
+    assert config.repeat == stats.MAX_COUNT
+    assert config.warmup == stats.MAX_COUNT
+    assert config.repeat_ms == timing_config.MAX_BUDGET_MS
+    assert config.warmup_ms == timing_config.MAX_BUDGET_MS
 
 
 def test_explicit_zero_warmup_is_allowed() -> None:
     assert BenchmarkConfig.from_mapping({"warmup": 0}).warmup == 0
+
+
+def test_defences_are_on_by_default_and_can_be_turned_off_to_measure_their_cost() -> None:
+    assert BenchmarkConfig().defences is True
+    assert BenchmarkConfig.from_mapping({"defences": False}).defences is False
+    with pytest.raises(ExecutionError) as caught:
+        BenchmarkConfig.from_mapping({"defences": "no"})
+    assert caught.value.kind == "parse"
 
 
 def test_launch_hold_is_on_by_default_and_can_be_turned_off() -> None:
@@ -177,38 +174,13 @@ def test_activities_stable_ignores_order_but_not_kind_or_count() -> None:
     assert not activities_stable([[kernel_a], [kernel_b]])
 
 
-def test_spans_by_call_takes_first_start_to_last_end_across_streams() -> None:
-    activities = [
-        Activity("concurrent_kernel", 10, 1_000, 3_000, "main"),
-        Activity("concurrent_kernel", 11, 2_000, 9_000, "side"),  # another stream, ends last
-        Activity("memset", 12, 500, 600, ""),  # starts first
-        Activity("concurrent_kernel", 20, 20_000, 21_000, "main"),
-        Activity("concurrent_kernel", 30, 0, 99_999, "flush"),  # not inside any timed call
-    ]
-    external = {10: 100, 11: 100, 12: 100, 20: 101}
-    timings = spans_by_call(activities, external, [100, 101, 102])
-    assert timings.spans_ms == [pytest.approx(0.0085), pytest.approx(0.001)]
-    assert timings.empty_calls == 1
-    assert sorted(timings.signatures[0]) == [
-        ("concurrent_kernel", "main"),
-        ("concurrent_kernel", "side"),
-        ("memset", ""),
-    ]
-
-
-def test_spans_by_call_ignores_ids_of_other_runs() -> None:
-    activities = [Activity("concurrent_kernel", 1, 0, 10, "k")]
-    timings = spans_by_call(activities, {1: 7}, [8])
-    assert timings.spans_ms == [] and timings.empty_calls == 1
-
-
 def test_count_from_budget() -> None:
     assert count_from_budget(100.0, 1.0, minimum=1) == 100
     assert count_from_budget(100.0, 3.0, minimum=1) == 34
     assert count_from_budget(100.0, 1e6, minimum=1) == 1
-    assert count_from_budget(100.0, 1e-6, minimum=1) == builtins.MAX_COUNT
+    assert count_from_budget(100.0, 1e-6, minimum=1) == stats.MAX_COUNT
     assert count_from_budget(0.0, 1.0, minimum=0) == 0
-    assert count_from_budget(10.0, 0.0, minimum=1) == builtins.MAX_COUNT
+    assert count_from_budget(10.0, 0.0, minimum=1) == stats.MAX_COUNT
 
 
 def test_clock_is_steady() -> None:
@@ -296,140 +268,10 @@ def test_busy_ns_counts_overlaps_once_and_skips_gaps() -> None:
     assert busy_ns([(30, 35), (0, 10), (2, 4)]) == 15  # order and nesting do not matter
 
 
-def test_ready_span_starts_when_the_hold_ends() -> None:
-    # Call 100: the hold ends at 1_000; the kernel starts 700 ns later (the GPU taking up the launch).
-    # Call 101: a side-stream kernel started during the hold, at 1_500, before the hold ended.
-    activities = [
-        Activity("concurrent_kernel", 10, 1_700, 5_700, "main"),
-        Activity("concurrent_kernel", 20, 1_500, 9_500, "side"),
-    ]
-    external = {10: 100, 20: 101}
-    timings = spans_by_call(activities, external, [100, 101], hold_ends={100: 1_000, 101: 2_000})
-    assert timings.spans_ms == [pytest.approx(0.004), pytest.approx(0.008)]
-    assert timings.ready_spans_ms == [pytest.approx(0.0047), pytest.approx(0.008)]
-    assert timings.busy_ms == [pytest.approx(0.004), pytest.approx(0.008)]
-    assert timings.indices == [0, 1]
-    assert timings.unheld_calls == 1  # the side-stream call: its work did not wait for the hold
-
-
-def test_ready_span_is_the_span_without_a_hold() -> None:
-    activities = [Activity("concurrent_kernel", 10, 1_000, 2_000, "k"), Activity("memset", 11, 5_000, 5_500, "")]
-    timings = spans_by_call(activities, {10: 7, 11: 7}, [7])
-    assert timings.ready_spans_ms == timings.spans_ms == [pytest.approx(0.0045)]
-    assert timings.busy_ms == [pytest.approx(0.0015)]  # the host gap between the two is not busy
-    assert timings.late_calls == 0
-
-
-def test_calls_still_launching_after_the_hold_are_late() -> None:
-    activities = [
-        Activity("concurrent_kernel", 10, 3_000, 4_000, "k"),
-        Activity("concurrent_kernel", 20, 3_000, 4_000, "k"),
-    ]
-    # API records: call 7's last launch returned at 2_500, after its hold ended at 2_000.
-    api_ends = {10: 2_500, 11: 1_200, 20: 1_900}
-    external = {10: 7, 11: 7, 20: 8}
-    timings = spans_by_call(activities, external, [7, 8], hold_ends={7: 2_000, 8: 2_000}, api_ends=api_ends)
-    assert timings.late_calls == 1
-
-
-def test_hold_ends_by_call_reads_the_hold_ids() -> None:
-    base = 5 * EXTERNAL_ID_BLOCK
-    activities = [
-        Activity("concurrent_kernel", 1, 0, 900, "spin"),
-        Activity("concurrent_kernel", 2, 1_000, 2_000, "user"),
-    ]
-    external = {1: base + builtins.HOLD_ID_OFFSET + 3, 2: base + 3}
-    assert hold_ends_by_call(activities, external) == {base + 3: 900}
-
-
 def test_initial_hold_us_is_bounded() -> None:
-    assert initial_hold_us([]) == builtins.MIN_HOLD_US
-    assert initial_hold_us([0.001]) == pytest.approx(max(builtins.MIN_HOLD_US, 3.0 + builtins.HOLD_MARGIN_US))
+    assert initial_hold_us([]) == timers.MIN_HOLD_US
+    assert initial_hold_us([0.001]) == pytest.approx(max(timers.MIN_HOLD_US, 3.0 + timers.HOLD_MARGIN_US))
     assert initial_hold_us([0.1, 0.1, 0.1]) == pytest.approx(
-        builtins.HOLD_LAUNCH_FACTOR * 100 + builtins.HOLD_MARGIN_US
+        timers.HOLD_LAUNCH_FACTOR * 100 + timers.HOLD_MARGIN_US
     )
-    assert initial_hold_us([1000.0]) == builtins.MAX_HOLD_US
-
-
-class _Recorder:
-    """Stands in for torch, the runner and the CUPTI tracer, writing down what is done in order."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        recorder = self
-
-        class Event:
-            def __init__(self, enable_timing: bool = False) -> None:
-                self.name = f"event{len(recorder.log)}"
-
-            def record(self) -> None:
-                recorder.log.append("event")
-
-            def elapsed_time(self, other: object) -> float:
-                return 0.25
-
-        class Cuda:
-            pass
-
-        cuda = Cuda()
-        cuda.Event = Event  # type: ignore[attr-defined]
-
-        class Torch:
-            pass
-
-        self.torch = Torch()
-        self.torch.cuda = cuda  # type: ignore[attr-defined]
-
-    # runner
-    def flush(self) -> None:
-        self.log.append("flush")
-
-    def synchronize(self) -> None:
-        self.log.append("sync")
-
-    def hold(self, cycles: int) -> None:
-        self.log.append(f"hold({cycles})")
-
-    def call(self) -> None:
-        self.log.append("call")
-
-    # tracer
-    def enable(self, *, correlation: bool) -> None:
-        self.log.append("enable")
-
-    def disable(self) -> None:
-        self.log.append("disable")
-
-    def push(self, external_id: int) -> None:
-        self.log.append(f"push({external_id})")
-
-    def pop(self) -> None:
-        self.log.append("pop")
-
-
-def test_each_call_is_launched_behind_its_hold_inside_its_own_bracket() -> None:
-    recorder = _Recorder()
-    times = timed_calls(recorder, 2, hold_cycles=500, tracer=recorder, base=1000)  # type: ignore[arg-type]
-    assert times == [0.25, 0.25]
-    hold_id = 1000 + builtins.HOLD_ID_OFFSET
-    one_call = [
-        "flush",
-        "sync",
-        f"push({hold_id})",
-        "hold(500)",
-        "pop",
-        "event",
-        "push(1000)",
-        "call",
-        "pop",
-        "event",
-        "sync",
-    ]
-    second = [step.replace(str(hold_id), str(hold_id + 1)).replace("push(1000)", "push(1001)") for step in one_call]
-    assert recorder.log == ["sync", "enable", *one_call, *second, "disable"]
-
-
-def test_without_a_tracer_the_calls_are_bracketed_by_events_only() -> None:
-    recorder = _Recorder()
-    timed_calls(recorder, 1, hold_cycles=0)  # type: ignore[arg-type]
-    assert recorder.log == ["sync", "flush", "sync", "hold(0)", "event", "call", "event", "sync"]
+    assert initial_hold_us([1000.0]) == timers.MAX_HOLD_US

@@ -24,7 +24,7 @@ import ctypes, glob, os
 
 def look(other_cvd):
     seen = {"nodes": sorted(glob.glob("/dev/nvidia*")), "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "order": os.environ.get("CUDA_DEVICE_ORDER")}
+            "order": os.environ.get("CUDA_DEVICE_ORDER"), "gpu_ids": os.environ.get("KCORAL_GPU_IDS")}
     os.environ["CUDA_VISIBLE_DEVICES"] = other_cvd  # rewriting it reaches no other node
     opened = []
     for minor in range(4):
@@ -87,6 +87,7 @@ def test_each_program_sees_exactly_its_leased_gpu_nodes(confined_broker: Running
         # CUDA numbers the GPUs it can open: the program's are 0..k-1, in PCI (= index) order.
         assert seen["cvd"] == ",".join(str(i) for i in range(len(leased)))
         assert seen["order"] == "PCI_BUS_ID"
+        assert seen["gpu_ids"] == ",".join(str(g) for g in leased)
         expected = [f"fake GPU {m}" if m in leased else "FileNotFoundError" for m in range(4)]
         assert seen["opened"] == expected
 

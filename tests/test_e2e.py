@@ -176,6 +176,13 @@ def test_same_program_twice_and_new_process_each_time(client: Client) -> None:
             "unavailable",
             "run",
         ),
+        (
+            "from kcoral.errors import ExecutionError\n"
+            "def f():\n    raise ExecutionError('integrity', 'timer patched')\n",
+            "f",
+            "integrity",
+            "run",
+        ),
     ],
 )
 def test_instruction_error_kinds(client: Client, source: str, name: str, kind: str, op: str) -> None:

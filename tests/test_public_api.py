@@ -41,3 +41,24 @@ def test_importing_builtins_initialises_no_gpu_library() -> None:
     code = "import sys, kcoral.builtins; print(sorted(m for m in ('torch', 'cupti', 'pynvml') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_instruction_error_kinds_are_the_contracts() -> None:
+    from kcoral.errors import INSTRUCTION_ERROR_KINDS, ExecutionError
+
+    contract = {"parse", "compile", "runtime", "gpu_access", "correctness", "serialization", "unavailable", "integrity"}
+    assert contract == INSTRUCTION_ERROR_KINDS
+    error = ExecutionError("integrity", "CuptiTimer.measure was replaced")
+    assert (error.kind, error.message) == ("integrity", "CuptiTimer.measure was replaced")
+
+
+def test_protocol_document_lists_every_instruction_error_kind() -> None:
+    import re
+    from pathlib import Path
+
+    from kcoral.errors import INSTRUCTION_ERROR_KINDS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    section = text.split("### Instruction error kinds", 1)[1].split("\n\n", 2)[1]
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.MULTILINE))
+    assert documented == INSTRUCTION_ERROR_KINDS

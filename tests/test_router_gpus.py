@@ -48,11 +48,13 @@ def test_programs_go_to_nodes_with_enough_gpus_and_too_many_get_capacity(
     pairs = asyncio.run(run([2, 2, 2, 2]))
     for result in pairs:
         assert result.completed, result.error
+        assert result.node_id == "two-gpu"
         assert result.gpu_ids == [0, 1]
         assert result.results["cvd"] == "0,1"
     assert dispatched() == {"one-gpu": 0, "two-gpu": 4}  # only the node that has two GPUs
     singles = asyncio.run(run([1] * 6))
     assert all(r.completed and len(r.gpu_ids) == 1 for r in singles)
+    assert {r.node_id for r in singles} <= {"one-gpu", "two-gpu"}
 
     with Client(router.url) as client:
         with pytest.raises(KCoralError) as caught:

@@ -3,32 +3,35 @@
 The public face is ``kcoral.builtins`` (``benchmark`` and its config); this package holds the
 machinery, one role per module:
 
-- ``timing.cupti``: the CUPTI activity tracer, the external correlation ids that bracket each
-  call, and the grouping of activity records into per-call spans.
-- ``timing.nvml``: the SM clock and clock-event ("throttle") reasons from NVML, and when the clock
-  counts as steady.
-- ``timing.timers``: the runner (L2 flush, launch hold, call, synchronisation), the timed loop and
-  the two timers (CUPTI, CUDA events) that turn it into latencies.
+- ``timing.config``: the config keys, defaults and limits.
+- ``timing.trust``: the trusted state, armed before uploaded code runs, and its checks.
+- ``timing.cupti``: the CUPTI activity tracer, its clock and the timer's external ids.
+- ``timing.windows``: which GPU work belongs to which timed call, by time window (pure).
+- ``timing.inputs``: each call's inputs (factory, rotated clones) and the sample of outputs checked.
+- ``timing.nvml``: the SM clock, clock-event ("throttle") reasons, and which processes use the GPU.
+- ``timing.timers``: the runner (inputs, L2 flush, launch hold, call, synchronisation), the timed
+  loop and the two timers (CUPTI, CUDA events) that turn it into latencies.
+- ``timing.findings``: the report's ``integrity`` section (verdict and reasons).
 - ``timing.stats``: pure arithmetic on latencies and counts.
+- ``timing.benchmark``: ``benchmark`` itself, which puts these together.
 
 Like ``kcoral.builtins``, nothing here imports torch, cupti-python or pynvml at module level: uploaded
 code imports ``kcoral.builtins``, which must stay cheap and must not initialise CUDA.
 
 How ``benchmark`` times a call
 ------------------------------
-Each timed call is bracketed with a CUPTI *external correlation id* (``activity_push_external_
-correlation_id`` before the call, ``activity_pop_external_correlation_id`` after it). CUPTI then
-writes, for every CUDA runtime and driver API call made on this thread inside the bracket, an
-``EXTERNAL_CORRELATION`` record that maps the API call's correlation id to our id; every kernel,
-memcpy and memset record carries the correlation id of the API call that launched it, on whatever
-stream.
-
-Why external correlation rather than a callback subscription: a subscription runs a Python
-function on *every* CUDA API call (torch makes several per op), which perturbs the host side of the
-measurement, and CUPTI allows one subscriber per process, which ``GpuAccessGuard`` (and profilers)
-also want. External correlation costs two C calls per timed call. CUPTI only writes the
-correlation records while API activity (``RUNTIME``/``DRIVER``) is enabled, so those kinds are
-enabled around the probe and the counted calls only, not during warm-up.
+Each timed call runs in a *window*: the device is synchronised and CUPTI's clock read before the
+call, and again after it, so the device is idle at both ends. Every kernel, memcpy and memset of
+the process that starts inside the window is the call's, whatever thread, stream, correlation or
+external id launched it; work still running when the call returned is inside the window too. The
+timer marks its own work (flush, hold, input making, output snapshots, a sentinel) with CUPTI
+*external correlation ids* from a fresh random block per measurement, so it can leave that out;
+work between windows that is not the timer's is reported as foreign (``kcoral.timing.windows``
+says why windows replaced attribution by external id). CUPTI writes the correlation records only
+while API activity (``RUNTIME``/``DRIVER``) is enabled, so those kinds are enabled around the probe
+and the counted calls only, not during warm-up; a callback subscription is not used (it runs
+Python on every CUDA API call, and CUPTI takes one subscriber per process, which
+``GpuAccessGuard`` wants), but a subscription made by someone else fails the measurement.
 
 Before each counted call the L2 cache is flushed by *reading* a buffer twice the L2 size (a read
 leaves clean lines, so the next call pays no write-back for the flush) and the device is

@@ -98,6 +98,34 @@ class Nvml:
         except self._nvml.NVMLError:
             return None
 
+    def running_pids(self) -> set[int] | None:
+        """PIDs (in NVML's, i.e. the host's, namespace) with a compute context on this GPU."""
+        try:
+            return {int(p.pid) for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)}
+        except (self._nvml.NVMLError, AttributeError):
+            return None
+
+    def busy_pids(self, since_us: int) -> dict[int, int] | None:
+        """PID -> highest SM utilisation (%) NVML sampled for it since ``since_us`` (host clock, us).
+
+        Empty when NVML took no sample with a busy process; None when it cannot tell at all.
+        """
+        getter = getattr(self._nvml, "nvmlDeviceGetProcessUtilization", None)
+        if getter is None:
+            return None
+        try:
+            samples = getter(self._handle, since_us)
+        except self._nvml.NVMLError as exc:
+            # NVML answers "not found" when no process was sampled since then.
+            return {} if "not found" in str(exc).lower() else None
+        busy: dict[int, int] = {}
+        for sample in samples or ():
+            sm = int(getattr(sample, "smUtil", 0) or 0)
+            if sm > 0:
+                pid = int(sample.pid)
+                busy[pid] = max(busy.get(pid, 0), sm)
+        return busy
+
     def clock_event_reasons(self) -> int | None:
         for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
             getter = getattr(self._nvml, name, None)

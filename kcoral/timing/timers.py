@@ -1,24 +1,35 @@
 """How ``benchmark`` runs and times the counted calls.
 
-``Runner`` runs the user's call with the L2 flush, the launch hold and synchronisation around it;
-``timed_calls`` runs a batch of calls, each bracketed by CUDA events and (with a tracer) CUPTI
-external ids; ``CuptiTimer`` and ``EventTimer`` turn a batch into latencies, from CUPTI activity
-records or from the events alone. The package docstring (``kcoral.timing``) says why each step is
-there.
+``Runner`` runs the user's call with its inputs, the L2 flush, the launch hold and synchronisation
+around it, through references captured at arm (``kcoral.timing.trust``); ``timed_calls`` runs a
+batch of calls, each between two device-wide synchronisations that it stamps on CUPTI's clock (the
+call's *window*), with the timer's own work marked by external ids; ``CuptiTimer`` and
+``EventTimer`` turn a batch into latencies, from CUPTI activity records attributed by window
+(``kcoral.timing.windows``) or from CUDA events alone. The package docstring (``kcoral.timing``)
+says why each step is there.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
-from kcoral.timing.cupti import HOLD_ID_OFFSET, CuptiTracer, hold_ends_by_call, reserve_external_ids, spans_by_call
+from kcoral.timing.cupti import (
+    GAP_ID_OFFSET,
+    HOLD_ID_OFFSET,
+    SENTINEL_ID_OFFSET,
+    CuptiTracer,
+    reserve_external_ids,
+)
+from kcoral.timing.inputs import InputPlan, KeptOutput, OutputReservoir, snapshot
 from kcoral.timing.nvml import Nvml, clock_state
 from kcoral.timing.stats import activities_stable
+from kcoral.timing.trust import Trusted
+from kcoral.timing.windows import CallWindow, WindowTimings, attribute
 
 # Flush buffer size as a multiple of the L2 size; used when torch does not report the L2 size.
 L2_FLUSH_FACTOR: Final = 2
@@ -34,64 +45,100 @@ HOLD_FIT_ROUNDS: Final = 4
 HOLD_FIT_CALLS: Final = 3
 # Spin length used to measure how many SM cycles the spin counts per microsecond (~50 us at 2 GHz).
 HOLD_CALIBRATION_CYCLES: Final = 100_000
+# Records of the timer's own flush that may go missing before that counts as tampering (CUPTI may
+# drop a record under pressure; a candidate that turns kinds off loses every later one).
+OWN_RECORDS_SLACK: Final = 0.01
 
 
 class Runner:
-    """Runs the user's call with the L2 flush, the launch hold and synchronisation around it."""
+    """Runs the user's call with its inputs, the L2 flush, the launch hold and synchronisation."""
 
-    def __init__(self, torch: Any, fn: Callable[..., Any], args: tuple[Any, ...], flush_l2: bool) -> None:
+    def __init__(self, trusted: Trusted, fn: Callable[..., Any], plan: InputPlan, flush_l2: bool) -> None:
+        torch = trusted.torch
         self.torch = torch
+        self.trusted = trusted
+        self.plan = plan
         self._fn = fn
-        self._args = args
+        self._sync = trusted.synchronize
+        self._perf_counter = trusted.perf_counter
+        self.next_index = 0
         self._flush_buffer: Any = None
+        self.flush_shape: tuple[int, int] | None = None
         # torch's one-thread spin kernel (clock64 loop) on the current stream; private but present
         # since torch 1.x. Without it there is no hold and spans include host launch gaps.
-        self._spin: Callable[[int], None] | None = getattr(torch.cuda, "_sleep", None)
+        self._spin: Callable[[int], None] | None = trusted.spin
+        device = torch.cuda.current_device()
         if flush_l2:
-            device = torch.cuda.current_device()
             l2_bytes = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
             l2_bytes = l2_bytes if l2_bytes > 0 else FALLBACK_L2_BYTES
             # float32 so the read-reduction runs at full bandwidth; zeroed once so sums stay finite.
             elements = L2_FLUSH_FACTOR * l2_bytes // 4
             self._flush_buffer = torch.zeros(elements, dtype=torch.float32, device=device)
+            self.flush_shape = self.flush_state()
+        # The sentinel: a one-element kernel and a small device-to-device copy of the timer's own,
+        # whose records prove the activity kinds are still on.
+        self._mark = torch.zeros(64, dtype=torch.float32, device=device)
+        self._mark_copy = torch.zeros(64, dtype=torch.float32, device=device)
 
     @property
     def can_hold(self) -> bool:
         return self._spin is not None
 
+    def flush_state(self) -> tuple[int, int] | None:
+        """(elements, address) of the flush buffer: a candidate that shrinks it skips the flush."""
+        buffer = self._flush_buffer
+        if buffer is None:
+            return None
+        return int(buffer.untyped_storage().nbytes()), int(buffer.data_ptr())
+
     def flush(self) -> None:
         if self._flush_buffer is not None:
-            self._flush_buffer.sum()
+            with self.trusted.plain_torch():
+                self._flush_buffer.sum()
 
-    def call(self) -> None:
-        self._fn(*self._args)
+    def next_inputs(self) -> tuple[int, tuple[Any, ...]]:
+        index = self.next_index
+        self.next_index += 1
+        return index, self.plan.inputs(index)
+
+    def call(self, inputs: tuple[Any, ...]) -> Any:
+        return self._fn(*inputs)
 
     def hold(self, cycles: int) -> None:
         if self._spin is not None and cycles > 0:
             self._spin(cycles)
 
     def synchronize(self) -> None:
-        self.torch.cuda.synchronize()
+        if self._sync is not None:
+            self._sync()
+
+    def sentinel(self) -> None:
+        with self.trusted.plain_torch():
+            self._mark.add_(1.0)
+            self._mark_copy.copy_(self._mark)
+
+    def clock_ns(self) -> int:
+        return int(self._perf_counter() * 1e9)
 
     def iteration(self) -> float:
-        """Flush, call, synchronise; return the host time the call took to launch its work (ms)."""
+        """Inputs, flush, call, synchronise; return the host time the call took to launch its work (ms)."""
+        _, inputs = self.next_inputs()
         self.flush()
-        tick = time.perf_counter()
-        self.call()
-        launched = time.perf_counter()
+        tick = self._perf_counter()
+        self.call(inputs)
+        launched = self._perf_counter()
         self.synchronize()
         return (launched - tick) * 1e3
 
     def spin_cycles_per_us(self) -> float | None:
         """SM cycles the spin kernel counts per microsecond now (calibrated with CUDA events)."""
-        if self._spin is None:
+        if self._spin is None or self.trusted.event is None:
             return None
-        torch = self.torch
         # The first launch of the spin kernel loads its module (lazy loading) and takes milliseconds:
         # timed cold, it made the hold ~100 times too short on the H200.
         self._spin(1)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start = self.trusted.event(enable_timing=True)
+        end = self.trusted.event(enable_timing=True)
         self.synchronize()
         start.record()
         self._spin(HOLD_CALIBRATION_CYCLES)
@@ -99,6 +146,133 @@ class Runner:
         end.synchronize()
         elapsed_us = float(start.elapsed_time(end)) * 1e3
         return HOLD_CALIBRATION_CYCLES / elapsed_us if elapsed_us > 0 else None
+
+
+@dataclass
+class TimedCalls:
+    """What ``timed_calls`` saw: event times, each call's window, and the correlation stack's state."""
+
+    event_ms: list[float]
+    windows: list[CallWindow]
+    stack_changes: list[str] = field(default_factory=list)
+    trailing_end_ns: int | None = None
+    first_input_index: int = 0
+
+
+class _Brackets:
+    """Pushes and pops the timer's external ids, and notes any pop that does not give back its push."""
+
+    def __init__(self, tracer: CuptiTracer | None) -> None:
+        self._tracer = tracer
+        self.changes: list[str] = []
+
+    def push(self, external_id: int) -> None:
+        if self._tracer is not None:
+            self._tracer.push(external_id)
+
+    def pop(self, external_id: int, where: str) -> None:
+        if self._tracer is None:
+            return
+        try:
+            popped = self._tracer.pop()
+        except Exception as exc:
+            self.changes.append(
+                f"popping the timer's external id after {where} failed ({exc}): it was popped by someone else"
+            )
+            return
+        if popped is not None and popped != external_id:
+            self.changes.append(
+                f"the external correlation stack changed during {where}: "
+                f"popped {popped}, the timer pushed {external_id}"
+            )
+
+
+def timed_calls(
+    runner: Runner,
+    count: int,
+    *,
+    hold_cycles: int,
+    tracer: CuptiTracer | None = None,
+    base: int = 0,
+    hold_ns: int = 0,
+    reservoir: OutputReservoir | None = None,
+) -> TimedCalls:
+    """Run ``count`` calls, each in its own window between two device-wide synchronisations.
+
+    Per call: the next inputs and the L2 flush (the timer's gap work), a synchronisation and the
+    window's start on CUPTI's clock; a one-thread spin kernel that holds the current stream while
+    the host records the start event and launches the call behind it; the call; the end event; a
+    synchronisation and the window's end. The previous call's output and inputs are let go inside
+    the next window, so whatever their release sets off is counted. A sample of outputs is
+    snapshotted after the window (``reservoir``).
+    """
+    event = runner.trusted.event
+    clock = tracer.timestamp if tracer is not None else runner.clock_ns
+    brackets = _Brackets(tracer)
+    events = [(event(enable_timing=True), event(enable_timing=True)) for _ in range(count)] if event else []
+    windows: list[CallWindow] = []
+    previous: tuple[Any, Any] | None = None
+    first_index = runner.next_index
+    runner.synchronize()
+    if tracer is not None:
+        tracer.enable(correlation=True)
+    try:
+        for index in range(count):
+            brackets.push(base + GAP_ID_OFFSET + index)
+            try:
+                input_index, inputs = runner.next_inputs()
+                runner.flush()
+            finally:
+                brackets.pop(base + GAP_ID_OFFSET + index, f"the timer's flush before call {index}")
+            runner.synchronize()
+            begin_ns = clock()
+            if hold_cycles > 0:
+                brackets.push(base + HOLD_ID_OFFSET + index)
+                try:
+                    runner.hold(hold_cycles)
+                finally:
+                    brackets.pop(base + HOLD_ID_OFFSET + index, f"the hold before call {index}")
+            if events:
+                events[index][0].record()
+            call_ns = clock()
+            brackets.push(base + index)
+            try:
+                previous = None  # released inside this call's window
+                output = runner.call(inputs)
+            finally:
+                brackets.pop(base + index, f"timed call {index}")
+            return_ns = clock()
+            if events:
+                events[index][1].record()
+            runner.synchronize()
+            end_ns = clock()
+            windows.append(CallWindow(index, begin_ns, call_ns, return_ns, end_ns, hold_ns))
+            if reservoir is not None:
+                slot = reservoir.slot_for_next()
+                if slot is not None:
+                    brackets.push(base + GAP_ID_OFFSET + index)
+                    try:
+                        with runner.trusted.plain_torch():
+                            kept = KeptOutput(index, input_index, snapshot(runner.torch, output), inputs)
+                    finally:
+                        brackets.pop(base + GAP_ID_OFFSET + index, f"the snapshot of call {index}'s output")
+                    reservoir.put(slot, kept)
+            previous = (output, inputs)
+            del output, inputs
+        brackets.push(base + SENTINEL_ID_OFFSET)
+        try:
+            runner.sentinel()
+        finally:
+            brackets.pop(base + SENTINEL_ID_OFFSET, "the timer's sentinel")
+        previous = None
+        runner.synchronize()
+        trailing_end_ns = clock()
+    finally:
+        if tracer is not None:
+            tracer.disable()
+    del previous
+    event_ms = [float(start.elapsed_time(end)) for start, end in events] if events else []
+    return TimedCalls(event_ms, windows, brackets.changes, trailing_end_ns, first_index)
 
 
 @dataclass
@@ -111,76 +285,62 @@ class Measurement:
     activities_per_call: int | None
     by_estimate: dict[str, float | None] = field(default_factory=dict)
     late_calls: int | None = None
+    host_ms: list[float] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # findings: make the verdict suspect
+    tampering: list[str] = field(default_factory=list)  # integrity failures
+    details: dict[str, Any] = field(default_factory=dict)
+    kept: list[KeptOutput] = field(default_factory=list)
+    first_input_index: int = 0
 
 
-def timed_calls(
-    runner: Runner,
-    count: int,
-    *,
-    hold_cycles: int,
-    tracer: CuptiTracer | None = None,
-    base: int = 0,
-) -> list[float]:
-    """Run ``count`` calls, each after a flush, a synchronisation and a hold; return event times (ms).
-
-    The host synchronises after the flush so no work of the call (on any stream) overlaps it. Then
-    a one-thread spin kernel holds the current stream while the host records the start event and
-    launches the call behind it: when the hold ends, the call's work is already queued, so the
-    host's launch overhead stays out of the measurement, as it does for Nsight Compute. Work on
-    other streams is not held and may start during the spin, which occupies one SM only.
-    """
-    torch = runner.torch
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
-    runner.synchronize()
-    if tracer is not None:
-        tracer.enable(correlation=True)
-    try:
-        for index, (start, end) in enumerate(events):
-            runner.flush()
-            runner.synchronize()
-            if tracer is not None and hold_cycles > 0:
-                tracer.push(base + HOLD_ID_OFFSET + index)
-                try:
-                    runner.hold(hold_cycles)
-                finally:
-                    tracer.pop()
-            else:
-                runner.hold(hold_cycles)
-            start.record()
-            if tracer is not None:
-                tracer.push(base + index)
-            try:
-                runner.call()
-            finally:
-                if tracer is not None:
-                    tracer.pop()
-            end.record()
-            runner.synchronize()
-    finally:
-        if tracer is not None:
-            tracer.disable()
-    return [float(start.elapsed_time(end)) for start, end in events]
+def _timings(tracer: CuptiTracer, calls: TimedCalls, base: int) -> tuple[WindowTimings, list[str]]:
+    records = tracer.drain()
+    timings = attribute(
+        records.activities,
+        records.external,
+        calls.windows,
+        base,
+        caller_thread=threading.get_native_id(),
+        api_threads=records.api_threads,
+        api_ends=records.api_ends,
+        until_ns=calls.trailing_end_ns,
+    )
+    return timings, records.errors
 
 
 class CuptiTimer:
-    """Times each call from the CUPTI activity records of all it launched, on any stream."""
+    """Times each call from the CUPTI activity records of all the process ran inside its window."""
 
     method = "cupti"
 
     def __init__(self, tracer: CuptiTracer) -> None:
         self._tracer = tracer
+        self.probe_kinds: frozenset[str] = frozenset()
+        self.probe_signature: list[tuple[str, str]] | None = None
 
     def probe(self, runner: Runner) -> None:
-        """Run one traced call; a call that launches no GPU work cannot be timed."""
+        """Run one traced call; a call that launches no GPU work cannot be timed. Notes which of the
+        sentinel's activity kinds CUPTI records here, the baseline for the checks after measuring."""
         base = reserve_external_ids()
-        timed_calls(runner, 1, hold_cycles=0, tracer=self._tracer, base=base)
-        records = self._tracer.drain()
-        if spans_by_call(records.activities, records.external, [base]).empty_calls:
+        calls = timed_calls(runner, 1, hold_cycles=0, tracer=self._tracer, base=base)
+        timings, _ = _timings(self._tracer, calls, base)
+        self.probe_kinds = timings.sentinels_seen
+        tampering = list(calls.stack_changes)
+        if "concurrent_kernel" not in timings.sentinels_seen:
+            # CUPTI worked when the timer was armed; now not even the timer's own kernel is recorded.
+            tampering.append(
+                "CUPTI recorded none of the timer's own work in the first traced call: "
+                "its activity callbacks or kinds were changed since the worker started"
+            )
+        if tampering:
+            raise ExecutionError("integrity", "; ".join(tampering))
+        if timings.empty_calls:
             raise ExecutionError(
                 "unavailable",
                 "the benchmarked call launched no GPU work (no kernel, memcpy or memset was recorded); "
                 "there is nothing to time",
             )
+        self.probe_signature = timings.signatures[0]
 
     def fit_hold(self, runner: Runner, hold_us: float, cycles_per_us: float) -> tuple[float, str]:
         """Lengthen the hold until traced calls finish launching before it ends (bounded).
@@ -192,18 +352,11 @@ class CuptiTimer:
         """
         for _ in range(HOLD_FIT_ROUNDS):
             base = reserve_external_ids()
-            timed_calls(
-                runner, HOLD_FIT_CALLS, hold_cycles=int(hold_us * cycles_per_us), tracer=self._tracer, base=base
+            cycles = int(hold_us * cycles_per_us)
+            calls = timed_calls(
+                runner, HOLD_FIT_CALLS, hold_cycles=cycles, tracer=self._tracer, base=base, hold_ns=int(hold_us * 1e3)
             )
-            records = self._tracer.drain()
-            holds = hold_ends_by_call(records.activities, records.external)
-            timings = spans_by_call(
-                records.activities,
-                records.external,
-                [base + index for index in range(HOLD_FIT_CALLS)],
-                hold_ends=holds,
-                api_ends=records.api_ends,
-            )
+            timings, _ = _timings(self._tracer, calls, base)
             if timings.unheld_calls:
                 return 0.0, "off: the call runs work on another stream, which a hold cannot hold"
             if timings.late_calls == 0:
@@ -214,26 +367,55 @@ class CuptiTimer:
         return hold_us, "on, but the host still launched late after the last lengthening"
 
     def measure(
-        self, runner: Runner, repeat: int, hold_cycles: int, nvml: Nvml | None
+        self,
+        runner: Runner,
+        repeat: int,
+        hold_cycles: int,
+        nvml: Nvml | None,
+        *,
+        hold_ns: int = 0,
+        reservoir: OutputReservoir | None = None,
     ) -> tuple[Measurement, dict[str, Any]]:
         base = reserve_external_ids()
-        call_ids = [base + index for index in range(repeat)]
-        event_ms = timed_calls(runner, repeat, hold_cycles=hold_cycles, tracer=self._tracer, base=base)
-        after = clock_state(nvml)
-        records = self._tracer.drain()
-        holds = hold_ends_by_call(records.activities, records.external) if hold_cycles > 0 else {}
-        timings = spans_by_call(
-            records.activities, records.external, call_ids, hold_ends=holds, api_ends=records.api_ends
+        calls = timed_calls(
+            runner,
+            repeat,
+            hold_cycles=hold_cycles,
+            tracer=self._tracer,
+            base=base,
+            hold_ns=hold_ns,
+            reservoir=reservoir,
         )
+        after = clock_state(nvml)
+        timings, record_errors = _timings(self._tracer, calls, base)
+        tampering = list(calls.stack_changes)
+        tampering.extend(f"CUPTI record processing failed: {error}" for error in record_errors[:3])
+        if timings.forged_activities:
+            tampering.append(
+                f"{timings.forged_activities} GPU activities carried the timer's own external ids without being "
+                "its work (the ids were read from the timer and reused to hide work)"
+            )
+        tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, runner.flush_shape is not None))
+        for kind in sorted(self.probe_kinds - timings.sentinels_seen):
+            tampering.append(
+                f"CUPTI recorded the timer's own {kind} before the timed calls but not after them: "
+                "its activity kinds or callbacks were changed"
+            )
+        reasons = cupti_reasons(timings, self.probe_signature, self.probe_kinds)
         if not timings.spans_ms:
             raise ExecutionError("unavailable", "the benchmarked call launched no GPU work during the counted calls")
         counts = {len(signature) for signature in timings.signatures}
-        events = [event_ms[index] for index in timings.indices]
+        events = [calls.event_ms[index] for index in timings.indices] if calls.event_ms else []
         by_estimate: dict[str, float | None] = {
             "span": _median(timings.spans_ms),
             "ready_span": _median(timings.ready_spans_ms),
             "busy": _median(timings.busy_ms),
             "cuda_event": _median(events),
+        }
+        details = {
+            "other_thread_activities": timings.other_thread_activities,
+            "foreign_activities": len(timings.foreign),
+            "foreign_ms": round(timings.foreign_ms, 6),
         }
         return (
             Measurement(
@@ -243,13 +425,65 @@ class CuptiTimer:
                 activities_per_call=counts.pop() if len(counts) == 1 else None,
                 by_estimate=by_estimate,
                 late_calls=timings.late_calls if hold_cycles > 0 else None,
+                host_ms=timings.host_ms,
+                reasons=reasons,
+                tampering=tampering,
+                details=details,
+                kept=list(reservoir.kept) if reservoir is not None else [],
+                first_input_index=calls.first_input_index,
             ),
             after,
         )
 
 
+def own_records_missing(timings: WindowTimings, calls: int, held: bool, flushed: bool) -> list[str]:
+    """Integrity failures: the timer's own hold and flush records that CUPTI should have delivered."""
+    missing: list[str] = []
+    slack = max(1, int(calls * OWN_RECORDS_SLACK))
+    if held and calls - timings.holds_seen > slack:
+        missing.append(
+            f"CUPTI recorded the timer's own hold before only {timings.holds_seen} of {calls} calls: "
+            "activity records were lost or activity kinds changed"
+        )
+    if flushed and calls - timings.gaps_seen > slack:
+        missing.append(
+            f"CUPTI recorded the timer's own L2 flush before only {timings.gaps_seen} of {calls} calls: "
+            "activity records were lost or activity kinds changed"
+        )
+    if "concurrent_kernel" not in timings.sentinels_seen:
+        missing.append(
+            "CUPTI recorded no kernel of the timer's own sentinel after the timed calls: "
+            "the kernel activity kind or the activity callbacks were changed"
+        )
+    return missing
+
+
+def cupti_reasons(
+    timings: WindowTimings, probe_signature: Sequence[tuple[str, str]] | None, probe_kinds: frozenset[str]
+) -> list[str]:
+    """Findings from the records (they make the verdict suspect; they do not fail the instruction)."""
+    reasons: list[str] = []
+    if timings.foreign:
+        reasons.append(
+            f"GPU work ran between the timed calls that none of them launched and that is not the timer's: "
+            f"{timings.foreign_summary()}"
+        )
+    if timings.empty_calls and timings.spans_ms:
+        reasons.append(f"{timings.empty_calls} timed call(s) launched no GPU work while the others did")
+    if not activities_stable(timings.signatures):
+        reasons.append("the timed calls did not all launch the same GPU work")
+    if probe_signature is not None and timings.signatures:
+        probe = sorted(probe_signature)
+        if all(sorted(signature) != probe for signature in timings.signatures):
+            reasons.append("no timed call launched the same GPU work as the untimed first traced call")
+    if "memcpy" in probe_kinds - timings.sentinels_seen:
+        reasons.append("CUPTI stopped recording the timer's own memcpy during the measurement")
+    return reasons
+
+
 class EventTimer:
-    """Times each call with a pair of CUDA events on the current stream (the fallback without CUPTI)."""
+    """Times each call with a pair of CUDA events on the current stream (where CUPTI never worked,
+    or ``method="cuda_event"``)."""
 
     method = "cuda_event"
 
@@ -260,16 +494,30 @@ class EventTimer:
         return hold_us, "on"  # without CUPTI neither lateness nor other streams can be seen
 
     def measure(
-        self, runner: Runner, repeat: int, hold_cycles: int, nvml: Nvml | None
+        self,
+        runner: Runner,
+        repeat: int,
+        hold_cycles: int,
+        nvml: Nvml | None,
+        *,
+        hold_ns: int = 0,
+        reservoir: OutputReservoir | None = None,
     ) -> tuple[Measurement, dict[str, Any]]:
-        samples = timed_calls(runner, repeat, hold_cycles=hold_cycles)
+        calls = timed_calls(runner, repeat, hold_cycles=hold_cycles, hold_ns=hold_ns, reservoir=reservoir)
         after = clock_state(nvml)
+        host_ms = [
+            max(0, window.end_ns - max(window.call_ns, window.begin_ns + window.hold_ns)) / 1e6
+            for window in calls.windows
+        ]
         measurement = Measurement(
-            samples_ms=samples,
+            samples_ms=calls.event_ms,
             stable=True,
             empty_calls=0,
             activities_per_call=None,
-            by_estimate={"cuda_event": _median(samples)},
+            by_estimate={"cuda_event": _median(calls.event_ms)},
+            host_ms=host_ms,
+            kept=list(reservoir.kept) if reservoir is not None else [],
+            first_input_index=calls.first_input_index,
         )
         return measurement, after
 

@@ -1,6 +1,15 @@
 """``kcoral remote``: evaluate a packaged workload on the service and print its report.
 
-A *workload* is a folder holding ``workload.py``, which defines::
+The trusted way: a workload whose ``workload.py`` defines ``make_inputs(seed)``, ``reference`` and
+optionally ``check``, ``baseline``, ``TIMING`` and ``TOLERANCE`` (see ``kcoral.workloads.format``).
+``kcoral remote -- WORKLOAD_DIR CANDIDATE.py`` sends both; the service makes fresh inputs from a new
+seed every run, computes the reference, runs the candidate in a process of its own (timed by
+``benchmark`` with fresh inputs per call) and checks every output it receives in a process into
+which the candidate's code is never loaded. The report gives ``correct``, ``check``, ``timing``,
+``baseline``, ``speedup`` and ``integrity`` (verdict and reasons). Without a candidate the
+baseline is evaluated. A tampered measurement fails the program with ``integrity`` (exit 70).
+
+The free-form way: a folder whose ``workload.py`` defines::
 
     def evaluate(*args: str) -> dict:
         ...   # build inputs, run the baseline or candidate, check it, time it
@@ -28,8 +37,9 @@ import json
 import sys
 from pathlib import Path
 
-from kcoral.tools.adapter import EXIT_OK, UsageError, execute, options_from_args, plan_send
+from kcoral.tools.adapter import EXIT_OK, UsageError, execute, options_from_args, plan_send, tool_deadline
 from kcoral.tools.service_side import WORKLOAD_FILE
+from kcoral.workloads.format import is_trusted_workload
 
 NAME = "remote"
 HELP = "evaluate a packaged workload (a folder with workload.py defining evaluate) and print its report"
@@ -53,7 +63,23 @@ def main(args: argparse.Namespace) -> int:
         # "." or a path through "..": it has no relative place remotely, so it goes by its name.
         workload = plan_send(str(Path(folder).resolve()))
     options.sends = [send for send in options.sends if send.dest != workload.dest] + [workload]
-    status, outcome = execute(options, "evaluate_workload", [workload.dest, evaluate_args])
+    if is_trusted_workload(folder):
+        if len(evaluate_args) > 1:
+            raise UsageError("a workload with make_inputs takes one candidate file after the folder")
+        candidate = None
+        if evaluate_args:
+            if not Path(evaluate_args[0]).is_file():
+                raise UsageError(f"the candidate {evaluate_args[0]} is not a file")
+            try:
+                sent = plan_send(evaluate_args[0])
+            except UsageError:  # a path through "..": sent under its base name
+                sent = plan_send(str(Path(evaluate_args[0]).resolve()))
+            options.sends = [send for send in options.sends if send.dest != sent.dest] + [sent]
+            candidate = sent.dest
+        deadline = tool_deadline(options.timeout_seconds)
+        status, outcome = execute(options, "evaluate_trusted", [workload.dest, candidate, deadline])
+    else:
+        status, outcome = execute(options, "evaluate_workload", [workload.dest, evaluate_args])
     if outcome is None:
         return status
     report = outcome.get("report")

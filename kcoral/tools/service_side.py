@@ -14,6 +14,9 @@ Two entry points, each called by one ``run`` instruction in the worker's working
   first step's; a program that is not found gives 127 and a message, one killed at the deadline 124.
 - ``evaluate_workload(folder, args, fetch)`` imports ``folder/workload.py`` and returns
   ``evaluate(*args)`` (see ``kcoral.tools.remote``).
+- ``evaluate_trusted(folder, candidate, timeout_seconds, fetch)`` evaluates a candidate on a
+  workload that defines ``make_inputs`` (see ``kcoral.workloads``); it imports the service's own
+  ``kcoral``, the one exception to the rule below.
 
 Both copy the paths named in ``fetch`` into ``FETCH_STAGE`` (``0``, ``1``, ... by position), which
 the program then returns with ``return_folder``, and say what each one was: ``"file"``,
@@ -192,6 +195,15 @@ def jsonable(value: Any) -> Any:
     if callable(tolist):
         return jsonable(tolist())
     return str(value)
+
+
+def evaluate_trusted(folder: str, candidate: str | None, timeout_seconds: float, fetch: list[str]) -> dict[str, Any]:
+    """Evaluate ``candidate`` on the workload in ``folder`` the trusted way (``kcoral.workloads``):
+    the candidate runs in a process of its own, the check runs here. Needs the service's kcoral."""
+    from kcoral.workloads.harness import evaluate
+
+    report = evaluate(folder, candidate, timeout_seconds)
+    return {"report": jsonable(report), "fetched": stage_fetches(fetch)}
 
 
 def evaluate_workload(folder: str, args: list[str], fetch: list[str]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from kcoral import protocol
+from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, processes
 from kcoral.worker.capture import OutputCapture
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
@@ -105,6 +106,7 @@ def execute_program(
             HOME=str(run_dir / "home"),
             TMPDIR=str(run_dir / "tmp"),
             KCORAL_REQUEST_ID=request_id,
+            KCORAL_GPU_IDS=",".join(str(g) for g in gpu_ids),  # the host's indices, whatever CUDA calls them
         )
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
@@ -113,6 +115,10 @@ def execute_program(
         sys.path.insert(0, str(run_dir / "work"))
         if refusal is None and confinement.confined_to() is None:
             refusal = cuda_view_mismatch(gpu_ids)
+        if gpu_ids and refusal is None:
+            # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
+            # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
+            arm_timer()
         with capture:
             error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
@@ -178,6 +184,9 @@ def run_worker(settings: WorkerSettings) -> int:
     ready = protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
     socket.send_multipart(ready)
     ready_at = time.time()
+    if settings.gpu is not None:
+        # While no program is here yet: the broker gives a program the slot's own GPU first.
+        confinement.prepare((settings.gpu,))
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)

@@ -5,20 +5,24 @@ Run on a GPU host: ``python3 -m pytest -q -m gpu tests/gpu/test_timing_gpu.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from kcoral import builtins
 from kcoral.builtins import GpuAccessGuard, benchmark
 from kcoral.errors import ExecutionError
+from kcoral.timing import timers, trust
+from kcoral.timing.cupti import CuptiTracer
 
 torch = pytest.importorskip("torch")
 
@@ -133,19 +137,117 @@ def test_cuda_event_method(add_operands: tuple[Any, Any, Any]) -> None:
     assert result["activities_stable"] is True
 
 
-def test_falls_back_to_cuda_events_when_cupti_is_unavailable(
+def test_cuda_events_only_where_cupti_never_worked(
     add_operands: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def refuse() -> Any:
-        raise builtins.CuptiUnavailable("cupti-python is not importable: simulated")
-
-    monkeypatch.setattr(builtins.CuptiTracer, "get", staticmethod(refuse))
+    never = dataclasses.replace(trust.armed(), tracer=None, cupti_error="cupti-python is not importable: simulated")
+    monkeypatch.setattr(trust, "_ARMED", never)
     result = benchmark(_add, *add_operands, config={"repeat": 20})
     assert result["method"] == "cuda_event"
     assert "simulated" in result["cupti_error"]
+    assert result["host_ms_median"] is not None
     with pytest.raises(ExecutionError) as caught:
         benchmark(_add, *add_operands, config={"repeat": 20, "method": "cupti"})
     assert caught.value.kind == "unavailable"
+
+
+@needs_cupti
+def test_a_reset_fallback_switch_is_integrity_not_a_silent_fallback(
+    add_operands: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trust.armed()
+    monkeypatch.setattr(CuptiTracer, "_instance_error", "cupti-python is not importable: simulated")
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(_add, *add_operands, config={"repeat": 20})
+    assert caught.value.kind == "integrity"
+    assert "_instance_error" in caught.value.message
+
+
+@needs_cupti
+def test_honest_add_reads_ok_with_host_time_beside_gpu_time(add_operands: tuple[Any, Any, Any]) -> None:
+    result = benchmark(_add, *add_operands, config={"repeat": 50})
+    assert result["integrity"] == {"verdict": "ok", "reasons": []}, result["integrity"]
+    assert result["inputs"]["mode"] == "rotated_clones"
+    assert result["latency_ms_median"] <= result["host_ms_median"] < 3 * result["latency_ms_median"] + 0.05
+
+
+@needs_cupti
+def test_work_launched_by_a_helper_thread_is_counted() -> None:
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    product = torch.empty_like(x)
+    flag = torch.zeros(1, device="cuda")
+    jobs: queue.Queue[threading.Event] = queue.Queue()
+
+    def serve() -> None:
+        side = torch.cuda.Stream()
+        while (launched := jobs.get()) is not None:
+            with torch.cuda.stream(side):
+                torch.mm(x, x, out=product)
+            launched.set()
+
+    def honest() -> None:
+        torch.mm(x, x, out=product)
+
+    def through_helper() -> None:
+        launched = threading.Event()
+        jobs.put(launched)
+        launched.wait()
+        flag.add_(1.0)
+
+    helper = threading.Thread(target=serve, daemon=True)
+    helper.start()
+    try:
+        plain = benchmark(honest, config={"repeat": 30})
+        cheat = benchmark(through_helper, config={"repeat": 30})
+    finally:
+        jobs.put(None)  # type: ignore[arg-type]
+        helper.join()
+    assert cheat["latency_ms_median"] >= 0.9 * plain["latency_ms_median"], (plain, cheat)
+    assert cheat["integrity_details"]["other_thread_activities"] >= 30
+
+
+@needs_cupti
+def test_fresh_inputs_from_a_factory_and_a_failing_check() -> None:
+    made: list[int] = []
+
+    def make(index: int) -> tuple[Any, ...]:
+        made.append(index)
+        return (torch.full((1 << 20,), float(index), device="cuda"),)
+
+    def double(x: Any) -> Any:
+        return x * 2
+
+    result = benchmark(double, inputs=make, check=lambda out, args: torch.equal(out, args[0] * 2))
+    assert result["inputs"]["mode"] == "factory" and result["outputs_checked"] >= 1
+    assert len(set(made)) == len(made)
+    stale: dict[str, Any] = {}
+
+    def memoised(x: Any) -> Any:
+        stale.setdefault("out", x * 2)
+        return stale["out"]
+
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(memoised, inputs=make, check=lambda out, args: torch.equal(out, args[0] * 2))
+    assert caught.value.kind == "correctness"
+
+
+@needs_cupti
+def test_a_patched_timer_method_fails_with_integrity(
+    add_operands: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trust.armed()
+    original = timers.CuptiTimer.measure
+
+    def scaled(self: Any, *args: Any, **kwargs: Any) -> Any:
+        measurement, after = original(self, *args, **kwargs)
+        measurement.samples_ms = [s * 0.1 for s in measurement.samples_ms]
+        return measurement, after
+
+    monkeypatch.setattr(timers.CuptiTimer, "measure", scaled)
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(_add, *add_operands, config={"repeat": 10})
+    assert caught.value.kind == "integrity"
+    assert "CuptiTimer.measure was replaced" in caught.value.message
 
 
 @needs_cupti

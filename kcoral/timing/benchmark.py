@@ -1,0 +1,368 @@
+"""``benchmark``: time a callable on the GPU, with the defences that keep its numbers honest.
+
+The steps, and which module holds each: the config (``timing.config``); the trusted state armed
+before uploaded code ran (``timing.trust``); the inputs of each call and the sample of outputs
+checked (``timing.inputs``); the runner, the timed loop and the two timers (``timing.timers``);
+attribution of GPU work to calls by time window (``timing.windows``); the clock (``timing.nvml``);
+the ``integrity`` section (``timing.findings``). ``kcoral.builtins`` re-exports ``benchmark``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kcoral.errors import ExecutionError
+from kcoral.timing.config import ESTIMATE_CALLS, BenchmarkConfig, split_config
+from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
+from kcoral.timing.inputs import (
+    MODE_ROTATED,
+    MODE_SAME,
+    OUTPUTS_KEPT,
+    InputFactory,
+    InputPlan,
+    KeptOutput,
+    OutputCheck,
+    OutputReservoir,
+    check_outputs,
+    plan_inputs,
+    snapshot,
+)
+from kcoral.timing.nvml import (
+    CLOCK_SAMPLE_INTERVAL_S,
+    SLOWDOWN_MASK,
+    Nvml,
+    clock_is_steady,
+    clock_state,
+    throttle_reason_names,
+)
+from kcoral.timing.stats import count_from_budget, summarize
+from kcoral.timing.timers import CuptiTimer, EventTimer, Measurement, Runner, initial_hold_us
+from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, verify
+
+DEFENCES_OFF_REASON: Final = "the integrity defences were turned off (config defences=False)"
+
+
+@dataclass
+class BenchmarkRun:
+    """A benchmark's report and, for a harness that checks them itself, the kept outputs."""
+
+    report: dict[str, Any]
+    kept: list[KeptOutput] = field(default_factory=list)
+
+
+def _import_torch_with_gpu(state: ArmedState) -> Any:
+    torch = state.trusted.torch
+    if torch is None:
+        try:
+            import torch
+        except Exception as exc:
+            raise ExecutionError(
+                "unavailable", f"benchmark needs PyTorch with CUDA; torch is not importable: {exc}"
+            ) from exc
+    if not torch.cuda.is_available():
+        raise ExecutionError(
+            "unavailable",
+            "benchmark needs a CUDA GPU, and torch.cuda.is_available() is False on this host "
+            "(no GPU assigned to this program, or a CPU-only torch build)",
+        )
+    if state.trusted.synchronize is None:
+        raise ExecutionError("unavailable", "torch was not imported when the timer was armed")
+    return torch
+
+
+def _warm_clock(
+    runner: Runner, nvml: Nvml | None, budget_ms: float, launch_ms: list[float]
+) -> tuple[bool | None, float, list[float]]:
+    """Run the call until the SM clock is steady or the budget is spent.
+
+    Returns (steady, milliseconds spent, wall time of each iteration in ms); steady is None when
+    NVML cannot read the clock or the budget is zero. Each call's host launch time is appended to
+    ``launch_ms``.
+    """
+    if nvml is None or budget_ms <= 0 or nvml.sm_clock_mhz() is None:
+        return None, 0.0, []
+    perf_counter = runner.trusted.perf_counter
+    began = perf_counter()
+    deadline = began + budget_ms / 1e3
+    next_sample = began
+    samples: list[float] = []
+    iterations: list[float] = []
+    steady = False
+    while True:
+        tick = perf_counter()
+        launch_ms.append(runner.iteration())
+        now = perf_counter()
+        iterations.append((now - tick) * 1e3)
+        if now >= next_sample:
+            clock = nvml.sm_clock_mhz()
+            if clock is not None:
+                samples.append(float(clock))
+            next_sample = now + CLOCK_SAMPLE_INTERVAL_S
+            if clock_is_steady(samples):
+                steady = True
+                break
+        if now >= deadline:
+            break
+    return steady, (perf_counter() - began) * 1e3, iterations
+
+
+def _choose_timer(method: str, state: ArmedState) -> tuple[CuptiTimer | EventTimer, str | None]:
+    """CUPTI wherever it worked at arm; CUDA events only where it never did, or when asked."""
+    if method == "cuda_event":
+        return EventTimer(), None
+    if state.tracer is None:
+        if method == "cupti":
+            raise ExecutionError("unavailable", f"CUPTI timing was requested but is unavailable: {state.cupti_error}")
+        return EventTimer(), state.cupti_error
+    return CuptiTimer(state.tracer), None
+
+
+def _is_cupti_failure(exc: BaseException) -> bool:
+    """True when the exception came from CUPTI rather than from the user's function."""
+    module = type(exc).__module__ or ""
+    return module.startswith("cupti")
+
+
+def _fail_on_changes(state: ArmedState, when: str) -> None:
+    changes = verify(state)
+    if changes:
+        raise ExecutionError("integrity", f"the timer's state changed {when}: {describe_changes(changes)}")
+
+
+def benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    config: Mapping[str, Any] | None = None,
+    inputs: InputFactory | None = None,
+    check: OutputCheck | None = None,
+) -> dict[str, Any]:
+    """Time ``fn`` on the GPU and return latency statistics in milliseconds.
+
+    Each counted call runs between two device-wide synchronisations; its latency is the span from
+    the first start to the last end of every kernel, memcpy and memset the process ran in that
+    window (CUPTI activity records), whatever thread or stream launched it, so work still running
+    when the call returned is counted. Before each call the L2 cache is flushed; then, unless the call
+    runs work on another stream, a short GPU spin holds the current stream while the host launches
+    the call behind it, so host launch gaps stay out of the time (as in Nsight Compute). Before
+    counting, the call runs until the SM clock is steady (at most ``clock_warmup_ms``), then for the
+    warm-up budget.
+
+    Inputs: ``fn(*args)`` gets *rotated clones* of its CUDA tensor arguments (copies at other
+    addresses, taken in turn, so an output cached on the inputs' addresses is not reused), and the
+    outputs of a random sample of timed calls must equal the first call's output. ``inputs=``, a
+    callable ``index -> tuple of arguments``, gives every call fresh inputs instead (defeating any
+    cache), and ``check=``, a callable ``(output, inputs) -> None`` that raises (or returns False)
+    for a wrong output, checks the sample. A failed check raises ``ExecutionError("correctness")``.
+    With neither arguments nor ``inputs`` (a closure, as in the seed example) every call is the same.
+
+    Config keys (``config={...}`` or a trailing dict argument): ``warmup_ms`` (25), ``repeat_ms``
+    (100), ``warmup`` and ``repeat`` (counts; they override the budgets), ``flush_l2`` (True),
+    ``launch_hold`` (True), ``clock_warmup_ms`` (1000; 0 skips the clock warm-up), ``method``
+    (``"auto"``, ``"cupti"`` or ``"cuda_event"``), ``defences`` (True; False only to measure their
+    cost). Counts are capped at 10000 and budgets at 10 s.
+
+    The result holds ``latency_ms_median``/``_mean``/``_min``/``_max``/``_std`` (GPU time),
+    ``host_ms_median``/``_min``/``_max`` (synchronised host wall time per call), ``warmup`` and
+    ``repeat``, ``flush_l2``, ``activities_stable``, ``method`` (``"cupti"`` or ``"cuda_event"``)
+    and ``cupti_error`` (why CUPTI is not used), ``inputs`` (how calls got their inputs),
+    ``outputs_checked``, ``latency_ms_median_by`` (``span``, the one reported; ``ready_span``;
+    ``busy``; ``cuda_event``), ``launch_hold``, ``launch_hold_us``, ``launch_late_calls``, the SM
+    clock and throttle reasons before and after, ``gpu``, and ``integrity``: ``verdict`` (``"ok"``
+    or ``"suspect"``) and ``reasons`` (see ``kcoral.timing.findings``).
+
+    Raises ``ExecutionError``: ``parse`` for a bad config, ``unavailable`` when there is no GPU or
+    the call launches no GPU work, ``correctness`` when a checked output is wrong, ``integrity``
+    when the timer's own state was changed around the measurement or CUPTI, which worked when the
+    worker started, failed.
+
+    Example::
+
+        import torch
+        from kcoral.builtins import benchmark
+
+        a = torch.randn(1 << 24, device="cuda")
+        b = torch.randn_like(a)
+        result = benchmark(torch.add, a, b, config={"repeat": 200})
+        print(result["latency_ms_median"], result["method"], result["integrity"]["verdict"])
+    """
+    return measure(fn, *args, config=config, inputs=inputs, check=check).report
+
+
+def measure(
+    fn: Callable[..., Any],
+    *args: Any,
+    config: Mapping[str, Any] | None = None,
+    inputs: InputFactory | None = None,
+    check: OutputCheck | None = None,
+    keep_outputs: int = OUTPUTS_KEPT,
+) -> BenchmarkRun:
+    """``benchmark``, returning the kept outputs beside the report (for a harness in another process)."""
+    call_args, settings = split_config(args, config)
+    state = armed()
+    torch = _import_torch_with_gpu(state)
+    defences = settings.defences
+    if defences:
+        _fail_on_changes(state, "since the worker started (before the measurement)")
+    timer, cupti_error = _choose_timer(settings.method, state)
+    if defences and isinstance(timer, CuptiTimer) and state.tracer is not None:
+        subscriber = state.tracer.foreign_subscriber()
+        if subscriber is not None:
+            raise ExecutionError(
+                "integrity", f"a CUPTI callback subscription is held by someone other than the timer: {subscriber}"
+            )
+    plan = plan_inputs(torch, call_args, inputs) if defences else InputPlan(MODE_SAME, [call_args], inputs)
+    try:
+        run = _run(fn, torch, state, settings, timer, plan, check if defences else None, keep_outputs)
+    except ExecutionError:
+        raise
+    except Exception as exc:
+        if isinstance(timer, CuptiTimer) and _is_cupti_failure(exc):
+            raise ExecutionError(
+                "integrity", f"CUPTI worked when the worker started but failed during the measurement: {exc!r}"
+            ) from exc
+        raise
+    run.report["cupti_error"] = cupti_error
+    if not defences:
+        run.report["integrity"] = verdict([DEFENCES_OFF_REASON, *run.report["integrity"]["reasons"]])
+    return run
+
+
+def _run(
+    fn: Callable[..., Any],
+    torch: Any,
+    state: ArmedState,
+    settings: BenchmarkConfig,
+    timer: CuptiTimer | EventTimer,
+    plan: InputPlan,
+    check: OutputCheck | None,
+    keep_outputs: int,
+) -> BenchmarkRun:
+    trusted = state.trusted
+    defences = settings.defences
+    device = torch.cuda.current_device()
+    runner = Runner(trusted, fn, plan, settings.flush_l2)
+    nvml = Nvml.open(torch, device)
+
+    # The first call pays one-off costs (compilation, autotuning, handles); keep it out of the probe.
+    # Its output is what every rotated clone must give again.
+    _, first_inputs = runner.next_inputs()
+    tick = trusted.perf_counter()
+    first_output = runner.call(first_inputs)
+    launch_ms = [(trusted.perf_counter() - tick) * 1e3]
+    runner.synchronize()
+    expected = snapshot(torch, first_output) if defences and plan.mode == MODE_ROTATED and check is None else None
+    del first_output, first_inputs
+    timer.probe(runner)
+
+    clock_steady, clock_warmup_ms, iteration_ms = _warm_clock(runner, nvml, settings.clock_warmup_ms, launch_ms)
+    if len(iteration_ms) < ESTIMATE_CALLS:
+        for _ in range(ESTIMATE_CALLS - len(iteration_ms)):
+            tick = trusted.perf_counter()
+            launch_ms.append(runner.iteration())
+            iteration_ms.append((trusted.perf_counter() - tick) * 1e3)
+
+    hold_us = 0.0
+    hold_state = "off: launch_hold is false"
+    cycles_per_us = runner.spin_cycles_per_us() if settings.launch_hold else None
+    if cycles_per_us:
+        hold_us, hold_state = timer.fit_hold(runner, initial_hold_us(launch_ms[1:] or launch_ms), cycles_per_us)
+    elif settings.launch_hold:
+        hold_state = "off: torch has no spin kernel (torch.cuda._sleep)"
+    hold_cycles = int(hold_us * cycles_per_us) if cycles_per_us else 0
+
+    # The median of the latest iterations: early ones can still include clock ramp-up.
+    per_call_ms = float(statistics.median(iteration_ms[-max(ESTIMATE_CALLS, len(iteration_ms) // 2) :]))
+    per_call_ms += hold_us / 1e3
+    warmup = (
+        settings.warmup
+        if settings.warmup is not None
+        else count_from_budget(settings.warmup_ms, per_call_ms, minimum=1)
+    )
+    repeat = (
+        settings.repeat
+        if settings.repeat is not None
+        else count_from_budget(settings.repeat_ms, per_call_ms, minimum=1)
+    )
+    for _ in range(warmup):
+        runner.iteration()
+
+    reservoir = OutputReservoir(keep_outputs if defences else 0, trusted.randbelow)
+    before = clock_state(nvml)
+    watch = (
+        EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, int(time.time() * 1e6))
+        if defences
+        else None
+    )
+    hold_ns = int(hold_us * 1e3) if hold_cycles else 0
+    if defences:
+        with QuietInterpreter(trusted):
+            measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, reservoir=reservoir)
+    else:
+        measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns)
+    reasons = list(measurement.reasons)
+    if watch is not None:
+        reasons.extend(watch.finish())
+    if defences:
+        _fail_on_changes(state, "during the measurement")
+        if runner.flush_state() != runner.flush_shape:
+            raise ExecutionError("integrity", "the timer's L2 flush buffer was changed during the measurement")
+        if measurement.tampering:
+            raise ExecutionError("integrity", describe_changes(measurement.tampering))
+    outputs_checked = 0
+    if defences and (check is not None or expected is not None):
+        outputs_checked = check_outputs(
+            torch, measurement.kept, check=check, expected=expected, assert_close=torch.testing.assert_close
+        )
+
+    result: dict[str, Any] = summarize(measurement.samples_ms)
+    host = _host_summary(measurement)
+    gap = host_gap_reason(result["latency_ms_median"], host["host_ms_median"])
+    if gap is not None:
+        reasons.append(gap)
+    reasons_after = after["reasons"]
+    result.update(host)
+    result.update(
+        {
+            "warmup": warmup,
+            "repeat": repeat,
+            "samples": len(measurement.samples_ms),
+            "empty_calls": measurement.empty_calls,
+            "flush_l2": settings.flush_l2,
+            "activities_stable": measurement.stable,
+            "activities_per_call": measurement.activities_per_call,
+            "method": timer.method,
+            "latency_ms_median_by": measurement.by_estimate,
+            "launch_hold": hold_state,
+            "launch_hold_us": round(hold_us, 1) if hold_cycles else 0.0,
+            "launch_late_calls": measurement.late_calls,
+            "clock_steady": clock_steady,
+            "clock_warmup_ms": round(clock_warmup_ms, 3),
+            "sm_clock_mhz_before": before["sm_clock_mhz"],
+            "sm_clock_mhz_after": after["sm_clock_mhz"],
+            "throttle_reasons_before": throttle_reason_names(before["reasons"]),
+            "throttle_reasons_after": throttle_reason_names(reasons_after),
+            "throttled": None if reasons_after is None else bool(reasons_after & SLOWDOWN_MASK),
+            "gpu": str(torch.cuda.get_device_name(device)),
+            "device_index": int(device),
+            "inputs": {**plan.describe(), "first_timed_index": measurement.first_input_index},
+            "outputs_checked": outputs_checked,
+            "integrity": verdict(reasons),
+            "integrity_details": {**measurement.details, **(watch.details if watch is not None else {})},
+        }
+    )
+    return BenchmarkRun(result, measurement.kept)
+
+
+def _host_summary(measurement: Measurement) -> dict[str, float | None]:
+    host = measurement.host_ms
+    if not host:
+        return {"host_ms_median": None, "host_ms_min": None, "host_ms_max": None}
+    return {
+        "host_ms_median": float(statistics.median(host)),
+        "host_ms_min": float(min(host)),
+        "host_ms_max": float(max(host)),
+    }

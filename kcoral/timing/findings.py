@@ -1,0 +1,177 @@
+"""The ``integrity`` section of a benchmark report: what was seen around the timed calls that the GPU
+time alone does not show, as a verdict (``ok`` or ``suspect``) and the reasons for it.
+
+Findings are reasons to distrust a number, not proof of cheating, so they never fail the
+instruction (tampering with the timer does: see ``kcoral.timing.trust``). What makes a report
+``suspect``:
+
+- GPU work of this process that ran between the timed calls, launched by none of them and not the
+  timer's own (a helper thread that launches after the call returned, a finaliser, a signal);
+- another process busy on the GPU during the measurement (NVML's per-process utilisation): work
+  done in another CUDA context is invisible to this process's CUPTI;
+- synchronised host wall time per call far above the GPU time: the call waited for something that
+  the GPU timeline of this process does not show (another process, the host, hidden work). An
+  honest call's host time is its GPU time plus a few microseconds of synchronisation: the bound is
+  ``HOST_GAP_FACTOR`` x GPU time + ``HOST_GAP_MS``;
+- Python threads or child processes that the program started and that are still running;
+- timed calls that launched no GPU work while others did, or different work from one another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from kcoral.timing.nvml import Nvml
+
+HOST_GAP_FACTOR: Final = 2.0
+# Honest calls measured on the H200: a 4 us add reads ~10-20 us of host time from the end of its
+# hold to the device being idle; a 176 us GEMM ~190 us. 50 us over twice the GPU time is far above
+# both and far below a child process's 0.18 ms GEMM seen from a call that waits for it.
+HOST_GAP_MS: Final = 0.05
+NAMES_SHOWN: Final = 5
+VERDICT_OK: Final = "ok"
+VERDICT_SUSPECT: Final = "suspect"
+
+
+def verdict(reasons: Sequence[str]) -> dict[str, Any]:
+    """The report's ``integrity`` section."""
+    return {"verdict": VERDICT_SUSPECT if reasons else VERDICT_OK, "reasons": list(reasons)}
+
+
+def host_gap_reason(gpu_ms: float | None, host_ms: float | None) -> str | None:
+    if gpu_ms is None or host_ms is None:
+        return None
+    if host_ms > HOST_GAP_FACTOR * gpu_ms + HOST_GAP_MS:
+        return (
+            f"the synchronised host time per call ({host_ms:.4f} ms median) is far above the GPU time "
+            f"({gpu_ms:.4f} ms): the call waited for work this process's GPU timeline does not show "
+            "(another process, the host, or work hidden from CUPTI)"
+        )
+    return None
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    tasks = Path(f"/proc/{pid}/task")
+    with contextlib.suppress(OSError):
+        for task in tasks.iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                found.extend(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    """Every live descendant of ``root`` (Linux ``/proc``; empty elsewhere)."""
+    seen: list[int] = []
+    stack = _children(root)
+    while stack and len(seen) < 4096:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        stack.extend(_children(pid))
+    return seen
+
+
+def _describe_process(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = stat[stat.find("(") + 1 : stat.rfind(")")]
+    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+    if state == "Z":
+        return None  # exited, not yet reaped: it runs nothing
+    gpu = ""
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd).startswith("/dev/nvidia"):
+                    gpu = ", holds the GPU open"
+                    break
+    return f"{pid} ({name}{gpu})"
+
+
+# ----------------------------------------------------------------------------- the watch
+
+
+@dataclass
+class EnvironmentWatch:
+    """Taken just before the timed calls; ``finish`` turns what changed into reasons."""
+
+    nvml: Nvml | None
+    enumerate_threads: Callable[[], list[threading.Thread]]
+    threads_at_arm: frozenset[int]
+    caller: threading.Thread
+    since_us: int
+    pids_before: set[int] | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(
+        cls,
+        nvml: Nvml | None,
+        enumerate_threads: Callable[[], list[threading.Thread]],
+        threads_at_arm: frozenset[int],
+        now_us: int,
+    ) -> EnvironmentWatch:
+        pids = nvml.running_pids() if nvml is not None else None
+        return cls(nvml, enumerate_threads, threads_at_arm, threading.current_thread(), now_us, pids)
+
+    def finish(self) -> list[str]:
+        reasons: list[str] = []
+        reasons.extend(self._gpu_processes())
+        threads = [
+            thread.name
+            for thread in self.enumerate_threads()
+            if thread is not self.caller
+            and thread.is_alive()
+            and id(thread) not in self.threads_at_arm
+            # A native thread that once called into Python (CUPTI's buffer thread, say) shows up
+            # as a dummy: it is no thread the program started from Python.
+            and not isinstance(thread, threading._DummyThread)
+        ]
+        self.details["program_threads"] = threads
+        if threads:
+            reasons.append(f"threads the program started are running: {_shown(threads)}")
+        processes = [text for pid in descendants(os.getpid()) if (text := _describe_process(pid))]
+        self.details["program_processes"] = processes
+        if processes:
+            reasons.append(f"processes the program started are running: {_shown(processes)}")
+        return reasons
+
+    def _gpu_processes(self) -> list[str]:
+        if self.nvml is None:
+            self.details["gpu_processes"] = None
+            return []
+        pids_after = self.nvml.running_pids()
+        busy = self.nvml.busy_pids(self.since_us)
+        self.details["gpu_processes"] = {
+            "before": sorted(self.pids_before) if self.pids_before is not None else None,
+            "after": sorted(pids_after) if pids_after is not None else None,
+            "busy": {str(pid): util for pid, util in sorted((busy or {}).items())},
+        }
+        if not busy:
+            return []
+        own = os.getpid()
+        # In a PID namespace (the bubblewrap sandbox) NVML's PIDs are the host's and ours is not
+        # among them: then two busy processes mean one was not us.
+        known = pids_after is not None and own in pids_after
+        others = [pid for pid in busy if pid != own] if known else (list(busy) if len(busy) > 1 else [])
+        if not others:
+            return []
+        listed = ", ".join(f"pid {pid} ({busy[pid]}% SM)" for pid in sorted(others)[:NAMES_SHOWN])
+        return [f"another process used the GPU during the measurement: {listed}"]

@@ -1,0 +1,506 @@
+"""CPU tests of the benchmark's defences: attribution by time window (synthetic CUPTI records), the
+trusted-state snapshot, the timed loop's brackets, inputs and output checks, and the findings."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kcoral.errors import ExecutionError
+from kcoral.timing import findings, inputs, timers, trust
+from kcoral.timing.cupti import GAP_ID_OFFSET, HOLD_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, reserve_external_ids
+from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
+from kcoral.timing.inputs import (
+    MODE_FACTORY,
+    MODE_NONE,
+    MODE_SAME,
+    KeptOutput,
+    OutputReservoir,
+    check_outputs,
+    plan_inputs,
+)
+from kcoral.timing.timers import cupti_reasons, own_records_missing, timed_calls
+from kcoral.timing.windows import CallWindow, attribute, role_of
+
+torch = pytest.importorskip("torch")
+
+BASE = 7 << 20
+CALLER = 111
+HELPER = 222
+
+
+def kernel(correlation: int, start: int, end: int, name: str = "k") -> Activity:
+    return Activity("concurrent_kernel", correlation, start, end, name)
+
+
+def two_windows() -> list[CallWindow]:
+    # Call 0: device idle at 1_000, called at 1_100, returned 1_200, idle again at 5_000.
+    # Call 1: 10_000 .. 15_000. Between them (5_000 .. 10_000) the timer flushes the L2.
+    return [CallWindow(0, 1_000, 1_100, 1_200, 5_000), CallWindow(1, 10_000, 10_100, 10_200, 15_000)]
+
+
+# ----------------------------------------------------------------------------- windows
+
+
+def test_role_of_reads_the_timers_ids_and_nothing_else() -> None:
+    assert role_of(BASE + 3, BASE) == ("call", 3)
+    assert role_of(BASE + HOLD_ID_OFFSET + 3, BASE) == ("hold", 3)
+    assert role_of(BASE + GAP_ID_OFFSET + 2, BASE) == ("gap", 2)
+    assert role_of(BASE + SENTINEL_ID_OFFSET, BASE) == ("sentinel", 0)
+    assert role_of(None, BASE) is None
+    assert role_of(BASE - 1, BASE) is None
+    assert role_of(BASE + (1 << 20), BASE) is None  # the next block: another measurement's
+
+
+def test_work_of_a_helper_thread_inside_the_window_is_counted() -> None:
+    """The attack that read 0.0012 ms for a 0.18 ms GEMM: the GEMM carries no external id at all."""
+    activities = [
+        kernel(1, 1_300, 1_310, "touch"),  # the calling thread's one-element add
+        kernel(2, 1_320, 4_800, "gemm"),  # launched by a helper thread: no external id
+    ]
+    timings = attribute(
+        activities,
+        {1: BASE},
+        two_windows()[:1],
+        BASE,
+        caller_thread=CALLER,
+        api_threads={1: CALLER, 2: HELPER},
+    )
+    assert timings.spans_ms == [pytest.approx((4_800 - 1_300) / 1e6)]
+    assert timings.other_thread_activities == 1
+    assert sorted(timings.signatures[0]) == [("concurrent_kernel", "gemm"), ("concurrent_kernel", "touch")]
+    assert timings.foreign == []
+
+
+def test_work_still_running_when_the_call_returned_belongs_to_the_call() -> None:
+    # Returned at 1_200; the kernel it launched runs until 4_900, before the device went idle.
+    timings = attribute([kernel(1, 1_150, 4_900)], {1: BASE}, two_windows()[:1], BASE)
+    assert timings.spans_ms == [pytest.approx(0.00375)]
+
+
+def test_the_hold_and_the_timers_gap_work_are_not_counted_or_foreign() -> None:
+    activities = [
+        kernel(1, 1_010, 1_900, "spin"),  # the hold
+        kernel(2, 2_000, 3_000, "user"),
+        kernel(3, 6_000, 8_000, "flush"),  # the L2 flush before call 1
+        kernel(4, 10_500, 11_000, "user"),
+        kernel(5, 15_100, 15_200, "mark"),  # the sentinel after the calls
+    ]
+    external = {
+        1: BASE + HOLD_ID_OFFSET,
+        2: BASE,
+        3: BASE + GAP_ID_OFFSET + 1,
+        4: BASE + 1,
+        5: BASE + SENTINEL_ID_OFFSET,
+    }
+    timings = attribute(activities, external, two_windows(), BASE, until_ns=16_000)
+    assert timings.spans_ms == [pytest.approx(0.001), pytest.approx(0.0005)]
+    assert timings.ready_spans_ms[0] == pytest.approx((3_000 - 1_900) / 1e6)
+    assert timings.foreign == []
+    assert (timings.holds_seen, timings.gaps_seen) == (1, 1)
+    assert timings.sentinels_seen == frozenset({"concurrent_kernel"})
+    # Host time from the end of the hold (1_900) to the device being idle (5_000).
+    assert timings.host_ms[0] == pytest.approx(0.0031)
+
+
+def test_work_between_the_calls_that_is_not_the_timers_is_foreign() -> None:
+    """A helper that launches after the call returned and the device went idle, before the next."""
+    activities = [
+        kernel(1, 2_000, 2_100, "touch"),
+        kernel(2, 6_000, 9_500, "gemm"),  # no id, between windows
+        kernel(3, 10_500, 10_600, "touch"),
+        kernel(4, 15_500, 15_700, "late"),  # after the last window, before the trailing end
+        kernel(5, 99_000, 99_500, "later"),  # after the measurement ended: not looked at
+        kernel(6, 10, 20, "before"),  # warm-up: not looked at
+    ]
+    timings = attribute(activities, {1: BASE, 3: BASE + 1}, two_windows(), BASE, until_ns=16_000)
+    assert [name for _, _, name in timings.foreign] == ["gemm", "late"]
+    assert timings.foreign_ms == pytest.approx((3_500 + 200) / 1e6)
+    assert "gemm" in timings.foreign_summary()
+    reasons = cupti_reasons(timings, None, frozenset())
+    assert any("between the timed calls" in reason for reason in reasons)
+
+
+def test_work_hidden_under_the_timers_own_ids_is_counted_and_named_forged() -> None:
+    """A candidate that reads the id block from the timer's frames and launches under its ids."""
+    activities = [
+        kernel(1, 1_010, 1_900, "spin"),  # the genuine hold, launched at 1_050 (before the call)
+        kernel(2, 2_000, 4_500, "gemm"),  # launched inside the call under the hold's id
+        kernel(3, 4_600, 4_700, "gemm2"),  # launched inside the call under a gap id
+    ]
+    external = {1: BASE + HOLD_ID_OFFSET, 2: BASE + HOLD_ID_OFFSET, 3: BASE + GAP_ID_OFFSET + 1}
+    api_ends = {1: 1_050, 2: 1_500, 3: 1_600}
+    timings = attribute(activities, external, two_windows()[:1], BASE, api_ends=api_ends)
+    assert timings.forged_activities == 2
+    assert timings.spans_ms == [pytest.approx((4_700 - 2_000) / 1e6)]
+    assert timings.holds_seen == 1
+
+
+def test_a_call_that_launched_nothing_is_empty_and_still_has_a_host_time() -> None:
+    timings = attribute([kernel(1, 2_000, 2_100)], {1: BASE}, two_windows(), BASE)
+    assert timings.empty_calls == 1
+    assert timings.indices == [0]
+    assert len(timings.host_ms) == 2
+    assert any("launched no GPU work" in reason for reason in cupti_reasons(timings, None, frozenset()))
+
+
+def test_host_time_without_a_hold_record_starts_at_the_estimated_end_of_the_hold() -> None:
+    window = CallWindow(0, 1_000, 1_100, 1_200, 9_000, hold_ns=3_000)
+    timings = attribute([kernel(1, 4_100, 8_900)], {1: BASE}, [window], BASE)
+    assert timings.host_ms == [pytest.approx((9_000 - 4_000) / 1e6)]
+
+
+def test_launches_after_the_hold_ended_make_a_call_late() -> None:
+    activities = [kernel(1, 1_010, 1_500, "spin"), kernel(2, 2_000, 3_000)]
+    external = {1: BASE + HOLD_ID_OFFSET, 2: BASE, 9: BASE}
+    timings = attribute(activities, external, two_windows()[:1], BASE, api_ends={2: 1_400, 9: 1_800})
+    assert timings.late_calls == 1
+
+
+def test_missing_records_of_the_timers_own_work_are_tampering() -> None:
+    timings = attribute([kernel(1, 2_000, 2_100)], {1: BASE}, two_windows(), BASE)
+    missing = own_records_missing(timings, 2, True, True)
+    assert any("hold" in text for text in missing)
+    assert any("L2 flush" in text for text in missing)
+    assert any("sentinel" in text for text in missing)
+
+
+def test_external_id_blocks_are_unpredictable() -> None:
+    blocks = {reserve_external_ids() for _ in range(50)}
+    assert len(blocks) == 50
+    assert all(block % (1 << 20) == 0 for block in blocks)
+
+
+# ----------------------------------------------------------------------------- the timed loop
+
+
+class FakeTracer:
+    """Stands in for the CUPTI tracer: a clock and a real stack of external ids (per test)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.stack: list[int] = []
+        self.now = 0
+
+    def timestamp(self) -> int:
+        self.now += 100
+        return self.now
+
+    def enable(self, *, correlation: bool) -> None:
+        self.log.append("enable")
+
+    def disable(self) -> None:
+        self.log.append("disable")
+
+    def push(self, external_id: int) -> None:
+        self.stack.append(external_id)
+
+    def pop(self) -> int | None:
+        return self.stack.pop()
+
+
+class FakeRunner:
+    """Stands in for the runner: writes down what is done, in order; ``fn`` is the candidate."""
+
+    def __init__(self, log: list[str], fn: Any) -> None:
+        self.log = log
+        self.fn = fn
+        self.next_index = 0
+        self.torch = torch
+        self.trusted = SimpleNamespace(event=None, plain_torch=contextlib.nullcontext)
+
+    def next_inputs(self) -> tuple[int, tuple[Any, ...]]:
+        self.next_index += 1
+        self.log.append(f"inputs({self.next_index - 1})")
+        return self.next_index - 1, (torch.full((2,), float(self.next_index - 1)),)
+
+    def flush(self) -> None:
+        self.log.append("flush")
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+    def hold(self, cycles: int) -> None:
+        self.log.append(f"hold({cycles})")
+
+    def call(self, args: tuple[Any, ...]) -> Any:
+        self.log.append("call")
+        return self.fn(*args)
+
+    def sentinel(self) -> None:
+        self.log.append("sentinel")
+
+    def clock_ns(self) -> int:
+        return 0
+
+
+def test_each_call_runs_in_its_own_window_between_device_syncs() -> None:
+    log: list[str] = []
+    tracer = FakeTracer(log)
+    runner = FakeRunner(log, lambda x: x * 2)
+    calls = timed_calls(runner, 2, hold_cycles=500, tracer=tracer, base=BASE)  # type: ignore[arg-type]
+    one_call = ["inputs({i})", "flush", "sync", "hold(500)", "call", "sync"]
+    expected = ["sync", "enable"]
+    for index in range(2):
+        expected += [step.format(i=index) for step in one_call]
+    assert log == [*expected, "sentinel", "sync", "disable"]
+    assert [window.index for window in calls.windows] == [0, 1]
+    assert all(w.begin_ns < w.call_ns < w.return_ns < w.end_ns for w in calls.windows)
+    assert calls.windows[0].end_ns < calls.windows[1].begin_ns
+    assert calls.stack_changes == [] and tracer.stack == []
+
+
+def test_a_candidate_that_pushes_or_pops_external_ids_is_noticed() -> None:
+    log: list[str] = []
+    tracer = FakeTracer(log)
+
+    def pushes(x: Any) -> Any:
+        tracer.push(424242)  # left on the stack: the timer's pop gets it back
+        return x
+
+    calls = timed_calls(FakeRunner(log, pushes), 1, hold_cycles=0, tracer=tracer, base=BASE)  # type: ignore[arg-type]
+    assert any("424242" in change for change in calls.stack_changes)
+
+
+def test_kept_outputs_are_snapshots_taken_when_the_call_ended() -> None:
+    log: list[str] = []
+    buffer = torch.zeros(2)
+
+    def reuses_one_buffer(x: Any) -> Any:
+        buffer.copy_(x)
+        return buffer
+
+    reservoir = OutputReservoir(8, lambda n: 0)
+    runner = FakeRunner(log, reuses_one_buffer)
+    timed_calls(runner, 3, hold_cycles=0, tracer=FakeTracer(log), base=BASE, reservoir=reservoir)  # type: ignore[arg-type]
+    assert [float(kept.output[0]) for kept in reservoir.kept] == [0.0, 1.0, 2.0]
+    assert [kept.input_index for kept in reservoir.kept] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------- inputs and outputs
+
+
+def test_plans_without_cuda_tensors() -> None:
+    assert plan_inputs(torch, (), None).mode == MODE_NONE
+    assert plan_inputs(torch, (torch.ones(2), 3), None).mode == MODE_SAME  # CPU tensors: not cloned
+    plan = plan_inputs(torch, (), lambda index: (torch.full((1,), float(index)),))
+    assert plan.mode == MODE_FACTORY
+    assert float(plan.inputs(5)[0][0]) == 5.0
+    assert plan_inputs(torch, (), lambda index: torch.ones(1)).inputs(0)[0].shape == (1,)
+    with pytest.raises(ExecutionError) as caught:
+        plan_inputs(torch, (torch.ones(1),), lambda index: ())
+    assert caught.value.kind == "parse"
+
+
+def test_the_reservoir_keeps_a_uniform_sample_of_bounded_size() -> None:
+    import random
+
+    rng = random.Random(3)
+    counts = [0] * 20
+    for _ in range(2000):
+        reservoir = OutputReservoir(4, rng.randrange)
+        for call in range(20):
+            slot = reservoir.slot_for_next()
+            if slot is not None:
+                reservoir.put(slot, KeptOutput(call, call, None, ()))
+        assert len(reservoir.kept) == 4
+        for kept in reservoir.kept:
+            counts[kept.call] += 1
+    # Each call is kept with probability 4/20: 400 of 2000 runs, within a few standard deviations.
+    assert all(300 < count < 500 for count in counts), counts
+
+
+def test_a_wrong_output_fails_the_check_with_correctness() -> None:
+    good = KeptOutput(0, 10, torch.ones(3), ())
+    wrong = KeptOutput(1, 11, torch.zeros(3), ())
+    close = torch.testing.assert_close
+    assert check_outputs(torch, [good], check=None, expected=torch.ones(3), assert_close=close) == 1
+    with pytest.raises(ExecutionError) as caught:
+        check_outputs(torch, [good, wrong], check=None, expected=torch.ones(3), assert_close=close)
+    assert caught.value.kind == "correctness"
+    assert "timed call 1" in caught.value.message
+
+
+def test_a_user_check_sees_each_kept_output_with_its_inputs() -> None:
+    seen: list[tuple[float, float]] = []
+
+    def check(output: Any, args: tuple[Any, ...]) -> bool:
+        seen.append((float(output[0]), float(args[0][0])))
+        return bool(torch.equal(output, args[0] * 2))
+
+    kept = [KeptOutput(0, 0, torch.full((2,), 2.0), (torch.ones(2),))]
+    assert check_outputs(torch, kept, check=check, expected=None, assert_close=torch.testing.assert_close) == 1
+    bad = [KeptOutput(3, 9, torch.full((2,), 5.0), (torch.ones(2),))]
+    with pytest.raises(ExecutionError) as caught:
+        check_outputs(torch, bad, check=check, expected=None, assert_close=torch.testing.assert_close)
+    assert caught.value.kind == "correctness" and "returned False" in caught.value.message
+
+
+def test_snapshots_are_plain_tensors_and_subclasses_are_refused() -> None:
+    value = torch.ones(2)
+    copied = inputs.snapshot(torch, (value, [value], {"a": value}))
+    assert type(copied[0]) is torch.Tensor and type(copied[1][0]) is torch.Tensor
+    assert type(copied[2]["a"]) is torch.Tensor
+    assert copied[0].data_ptr() != value.data_ptr()
+
+    class Lying(torch.Tensor):
+        pass
+
+    with pytest.raises(ExecutionError) as caught:
+        inputs.snapshot(torch, [value.as_subclass(Lying)])
+    assert caught.value.kind == "correctness" and "Lying" in caught.value.message
+
+
+# ----------------------------------------------------------------------------- trusted state
+
+
+@pytest.fixture
+def armed_state() -> trust.ArmedState:
+    return trust.arm(use_cupti=False)
+
+
+def test_an_untouched_timer_verifies_clean(armed_state: trust.ArmedState) -> None:
+    assert trust.verify(armed_state) == []
+
+
+def test_a_replaced_method_is_named(armed_state: trust.ArmedState, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = timers.CuptiTimer.measure
+
+    def measure(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(timers.CuptiTimer, "measure", measure)
+    assert trust.verify(armed_state) == ["kcoral.timing.timers.CuptiTimer.measure was replaced"]
+
+
+def test_replaced_code_of_the_same_function_is_named(
+    armed_state: trust.ArmedState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(findings.host_gap_reason, "__code__", (lambda gpu_ms, host_ms: None).__code__)
+    changes = trust.verify(armed_state)
+    assert "kcoral.timing.findings.host_gap_reason had its code replaced" in changes
+    assert all("host_gap_reason had its code replaced" in change for change in changes)
+
+
+def test_replaced_module_globals_and_library_functions_are_named(
+    armed_state: trust.ArmedState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(timers, "attribute", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)
+    changes = trust.verify(armed_state)
+    assert "kcoral.timing.timers.attribute was replaced" in changes
+    assert "torch.cuda.synchronize was replaced" in changes
+    assert "time.perf_counter was replaced" in changes
+
+
+def test_a_reset_fallback_switch_is_named(armed_state: trust.ArmedState, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The force_event_fallback attack: make the old lookup say CUPTI cannot be imported."""
+    from kcoral.timing.cupti import CuptiTracer
+
+    monkeypatch.setattr(CuptiTracer, "_instance_error", "cupti-python is not importable: simulated")
+    assert trust.verify(armed_state) == ["kcoral.timing.cupti.CuptiTracer._instance_error was replaced"]
+
+
+def test_the_trusted_references_are_taken_at_arm(armed_state: trust.ArmedState) -> None:
+    assert armed_state.trusted.perf_counter is time.perf_counter or callable(armed_state.trusted.perf_counter)
+    assert armed_state.cupti_ok is False and armed_state.cupti_error
+    assert trust.arm() is armed_state  # once per process
+
+
+def test_the_quiet_interpreter_stops_gc_and_trace_hooks_and_restores_them(armed_state: trust.ArmedState) -> None:
+    import gc
+
+    def tracer(*args: Any) -> None:
+        return None
+
+    sys.setprofile(tracer)
+    try:
+        with trust.QuietInterpreter(armed_state.trusted):
+            assert not gc.isenabled()
+            assert sys.getprofile() is None
+        assert gc.isenabled()
+        assert sys.getprofile() is tracer
+    finally:
+        sys.setprofile(None)
+
+
+def test_describe_changes_is_bounded() -> None:
+    text = trust.describe_changes([f"x{i} was replaced" for i in range(20)])
+    assert text.count("was replaced") == trust.CHANGES_SHOWN and "14 more" in text
+
+
+# ----------------------------------------------------------------------------- findings
+
+
+def test_verdicts() -> None:
+    assert verdict([]) == {"verdict": "ok", "reasons": []}
+    assert verdict(["x"]) == {"verdict": "suspect", "reasons": ["x"]}
+
+
+def test_host_gap() -> None:
+    assert host_gap_reason(0.176, 0.19) is None  # an honest GEMM
+    assert host_gap_reason(0.004, 0.02) is None  # an honest 4 us add
+    assert host_gap_reason(0.003, 0.25) is not None  # the GEMM ran in a child process
+    assert host_gap_reason(None, 0.3) is None
+
+
+def test_threads_and_processes_the_program_left_running_are_reasons(armed_state: trust.ArmedState) -> None:
+    stop = threading.Event()
+    watch = EnvironmentWatch.start(None, threading.enumerate, armed_state.threads_at_arm, 0)
+    helper = threading.Thread(target=stop.wait, name="kernel-helper", daemon=True)
+    helper.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        reasons = watch.finish()
+    finally:
+        stop.set()
+        child.kill()
+        child.wait()
+        helper.join()
+    assert any("kernel-helper" in reason for reason in reasons), reasons
+    assert any(f"{child.pid} (" in reason for reason in reasons), reasons
+    assert watch.details["program_threads"] == ["kernel-helper"]
+
+
+class FakeNvml:
+    def __init__(self, pids: set[int] | None, busy: dict[int, int] | None) -> None:
+        self._pids, self._busy = pids, busy
+
+    def running_pids(self) -> set[int] | None:
+        return self._pids
+
+    def busy_pids(self, since_us: int) -> dict[int, int] | None:
+        return self._busy
+
+
+@pytest.mark.parametrize(
+    ("pids", "busy", "suspect"),
+    [
+        ({1000}, {1000: 40}, False),  # we cannot see our own PID (a PID namespace): one busy is us
+        ({1000, 1001}, {1000: 40, 1001: 90}, True),  # two busy: one was not us
+        (None, {}, False),
+        (None, None, False),
+    ],
+)
+def test_another_process_busy_on_the_gpu(
+    armed_state: trust.ArmedState, pids: set[int] | None, busy: dict[int, int] | None, suspect: bool
+) -> None:
+    watch = EnvironmentWatch.start(FakeNvml(pids, busy), threading.enumerate, armed_state.threads_at_arm, 0)  # type: ignore[arg-type]
+    reasons = watch.finish()
+    assert any("another process used the GPU" in reason for reason in reasons) is suspect
+
+
+def test_a_busy_process_that_is_not_ours_is_a_reason_when_we_know_our_pid(armed_state: trust.ArmedState) -> None:
+    import os
+
+    nvml = FakeNvml({os.getpid(), 4242}, {4242: 70})
+    watch = EnvironmentWatch.start(nvml, threading.enumerate, armed_state.threads_at_arm, 0)  # type: ignore[arg-type]
+    assert any("pid 4242" in reason for reason in watch.finish())
