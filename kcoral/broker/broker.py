@@ -31,12 +31,25 @@ from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
+from kcoral.metrics import ServiceMetrics, programs_in_flight
+from kcoral.service import auth
+from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
 
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
+# A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
+# whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
+# messages ahead of it, about 2 s of reading on a busy 2-core VM. (Measured: when the flood fills
+# the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
+# when the worker exits is lost, RESULT included; only the flooding program's own answer.)
+CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
+# PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
+# rate are dropped before they are decoded; a program that floods them costs the loop little.
+PROGRESS_PER_SECOND = 50.0
+PROGRESS_BURST = 100.0
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024
 EARLY_READY_SECONDS = 10.0
@@ -72,13 +85,34 @@ class Broker:
                 disk_writable_by_others=settings.sandbox != "bubblewrap",
             )
         )
+        # One frame larger than a client may have in uploads at once could never be accepted, and
+        # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
+        frame_limit = min(settings.max_request_bytes, settings.upload_bounds[1])
+        self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
-            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=frame_limit,
+                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+                metrics_listen=settings.metrics_listen,
+            ),
             fail_request=self._finish_error,
+            metrics=self.metrics,
+        )
+        self.zap = (
+            auth.ZapAuthenticator(self.shell.context, settings.security.authorized) if settings.security else None
         )
         self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()
+        self.trusted_owners: set[bytes] = set()  # the router relay: the router applies the shares
+        self.orphans = OrphanWatch(settings.orphan_grace_seconds)
+        self.progress_limit: RateLimit[bytes] = RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST)
+        # What HEALTH and TARGET say that never changes, found once (versions() alone took about
+        # 1.6 ms of the loop per HEALTH).
+        self.hostname = stdlib_socket.gethostname()
+        self.versions = versions()
+        self.target_wire = self.target.to_wire()
         self.intake = ProgramIntake(
             IntakeSettings(
                 gpu_count=len(self.gpu_ids),
@@ -87,11 +121,14 @@ class Broker:
                 negotiation_timeout_seconds=settings.negotiation_timeout_seconds,
                 blob_path_min_bytes=settings.blob_path_min_bytes,
                 sandboxed=settings.sandbox == "bubblewrap",
+                max_queued_per_client=settings.client_queue_limit,
             ),
             blobs=self.blobs,
             requests=self.requests,
             tasks=self.shell.tasks,
             port=self,
+            uploads=UploadBudget(*settings.upload_bounds),
+            trusted=self.trusted_owners,
         )
         self.shell.handlers.update(
             {
@@ -99,7 +136,7 @@ class Broker:
                 protocol.BLOBS: self.intake.on_blobs,
                 protocol.CANCEL: self._on_cancel,
                 protocol.HEALTH: self.shell.answer(self.health),
-                protocol.TARGET: self.shell.answer(self.target.to_wire),
+                protocol.TARGET: self.shell.answer(lambda: self.target_wire),
             }
         )
         self.workers: dict[bytes, Worker] = {}
@@ -111,8 +148,6 @@ class Broker:
         self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
         # READYs that arrived before their zygote's "forked" event was read.
         self.early_ready: dict[bytes, dict[str, Any]] = {}
-        self.completed = 0
-        self.failed = 0
         self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
@@ -148,9 +183,14 @@ class Broker:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
-        return await self.shell.serve(
-            self._open, self._release, lambda: {"completed": self.completed, "failed": self.failed}
+        auth.check_listen(
+            self.settings.listen,
+            secured=self.settings.security is not None,
+            insecure_listen_any=self.settings.insecure_listen_any,
         )
+        if self.zap is not None:
+            self.zap.start()  # before the client socket binds: no handshake goes unchecked
+        return await self.shell.serve(self._open, self._release, self.metrics.counters)
 
     async def _open(self) -> None:
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
@@ -161,8 +201,13 @@ class Broker:
         if self.settings.upstream:
             node_id = self.settings.node_id or default_node_id(self.settings.listen)
             self.upstream = UpstreamLink(
-                context=self.shell.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
+                context=self.shell.context,
+                upstream=self.settings.upstream,
+                node_id=node_id,
+                health=self.health,
+                keys=self.settings.upstream_keys,
             )
+            self.trusted_owners.add(self.upstream.local_identity)
             # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
             self.shell.clients.bind(self.upstream.local_endpoint)
             self.upstream.start()
@@ -183,6 +228,8 @@ class Broker:
         if self.upstream is not None:
             await self.upstream.close()  # its sockets must be closed before the context ends
         await self.supervisor.stop()
+        if self.zap is not None:
+            await self.zap.close()
         self.backend.close(linger=0)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -324,6 +371,8 @@ class Broker:
 
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
+        if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
+            return  # dropped before it is decoded: see PROGRESS_PER_SECOND
         try:
             oversized = slots.oversized_result([f.buffer for f in frames[1:]])
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
@@ -347,10 +396,20 @@ class Broker:
             if request.lease_task is None or request.lease_task.done():
                 request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
         elif command == protocol.PROGRESS:
-            index = body.get("index")
-            request.instruction_index = index if isinstance(index, int) else None
+            self._on_progress(request, body)
         elif command == protocol.RESULT:
             self._on_result(request, worker, body, data)
+
+    def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
+        """The instruction now running, or a piece of the program's output, which goes on to the
+        client as PARTIAL ``output`` (a client shows it live; the result repeats all of it)."""
+        index, stream, offset, text = body.get("index"), body.get("stream"), body.get("offset"), body.get("text")
+        if isinstance(index, int):
+            request.instruction_index = index
+        elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
+            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
+                piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
+                self.tell(request, piece)
 
     def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
         slot = body.get("slot")
@@ -464,7 +523,9 @@ class Broker:
             return
         # Keep the worker known for a moment: its RESULT may still be queued in the socket.
         worker.exited = True
-        asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE_SECONDS, self._fail_crashed, request, worker, exit)
+        clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
+        grace = CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
+        asyncio.get_running_loop().call_later(grace, self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
         self.workers.pop(worker.identity, None)
@@ -529,13 +590,17 @@ class Broker:
         if request.worker is None or self.held_leases.get(request.worker.identity) != request.id:
             self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
+        self.intake.uploads.release(request.id)
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
-        if body.get("ok") and result.get("status") == "COMPLETED":
-            self.completed += 1
-        else:
-            self.failed += 1
+        now = time.monotonic()
+        ran = request.started_at and request.queued_at
+        self.metrics.program_finished(
+            body,
+            end_to_end_seconds=now - request.received_at,
+            queue_seconds=(request.started_at - request.queued_at) if ran else None,
+        )
         request.state = "done"
         self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
@@ -570,10 +635,23 @@ class Broker:
         self.shell.fail_internal(message, exc)
 
     async def _heartbeat_loop(self) -> None:
+        interval = protocol.HEARTBEAT_INTERVAL_SECONDS
+        next_beat = time.monotonic()
         while True:
-            await asyncio.sleep(protocol.HEARTBEAT_INTERVAL_SECONDS)
-            self.shell.heartbeat_clients()
+            # On a fixed schedule, so that a beat delayed by a busy loop is not followed by a full
+            # interval more: what a client measures is the gap between two beats.
+            next_beat = max(next_beat + interval, time.monotonic())
+            await asyncio.sleep(next_beat - time.monotonic())
+            self.orphans.gone(self.shell.heartbeat_clients())
+            self._cancel_orphans()
             self._expire_queued()
+
+    def _cancel_orphans(self) -> None:
+        """Programs whose client's connection is gone: nobody will read their answers. Waiting
+        ones end at once, running ones once the grace is over (kcoral.service.fairness)."""
+        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.state == "running"):
+            log.warning("client_gone_cancelling", request_id=request.id, running=running)
+            self._finish_error(request, "cancelled", "the client disconnected")
 
     def _expire_queued(self) -> None:
         """A program never waits in the queue for ever: past the queue timeout it is refused."""
@@ -585,14 +663,27 @@ class Broker:
 
     # --- status ---
 
+    def _program_rows(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": r.id,
+                "client": r.client.decode(errors="replace"),
+                "state": r.state,
+                "age_s": round(now - r.received_at, 3),
+                "gpu_ids": list(r.gpu_ids),
+            }
+            for r in self.requests
+        ]
+
     def health(self) -> dict[str, Any]:
+        now = time.monotonic()
         running = sum(1 for r in self.requests if r.state == "running")
         waiting = len(self.requests) - running
         return {
             "status": "draining" if self.draining else "ok",
             "instance_id": self.instance_id,
             "started_at": self.started_at,
-            "hostname": stdlib_socket.gethostname(),
+            "hostname": self.hostname,
             "gpu_count": len(self.gpu_ids),
             "fake_gpus": self.target.fake,
             "load": {
@@ -609,11 +700,12 @@ class Broker:
             },
             "leases": self.leases.snapshot(),
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
-            "counters": {"completed": self.completed, "failed": self.failed},
+            "counters": self.metrics.counters(),
+            **programs_in_flight(self._program_rows(now)),
             "sandbox": self.settings.sandbox,
             **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
-            "target": self.target.to_wire(),
-            "versions": versions(),
+            "target": self.target_wire,
+            "versions": self.versions,
         }
 
 

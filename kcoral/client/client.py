@@ -12,26 +12,34 @@ a background thread, so both share one implementation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import os
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from kcoral import protocol
 from kcoral.client.program import Program
+from kcoral.client.progress import ProgressCallback, ProgressEvent, TerminalProgress
 from kcoral.client.reach import Unresolvable, check_resolves, silence_reason
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError, ProtocolError, TransportError
+from kcoral.keys import ClientKeys
 
 T = TypeVar("T")
 URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 RECEIVE_HIGH_WATER_MARK = 10_000
 SEND_HIGH_WATER_MARK = 10_000
 # A client closed with programs in flight (Ctrl-C, an exception in a `with` block) cancels them on
@@ -41,6 +49,7 @@ SEND_HIGH_WATER_MARK = 10_000
 CANCEL_LINGER_MS = 2000
 # How long Client waits, after Ctrl-C, for its cancelled call to send its CANCEL before re-raising.
 INTERRUPT_WAIT_SECONDS = 2.0
+PROGRESS_TICK_SECONDS = 0.5  # how often a progress line on a terminal redraws its clock
 
 
 class ClientState(enum.Enum):
@@ -79,10 +88,17 @@ def check_execute_options(
 
 
 class AsyncClient:
-    """An asyncio client; many programs may be in flight over its one connection."""
+    """An asyncio client; many programs may be in flight over its one connection.
 
-    def __init__(self, url: str | None = None, *, connect_timeout_seconds: float = 10.0) -> None:
+    ``keys`` (:class:`kcoral.keys.ClientKeys`) make the connection CurveZMQ: encrypted, the
+    server checked against its public key, and this client known to it by its own key.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, connect_timeout_seconds: float = 10.0, keys: ClientKeys | None = None
+    ) -> None:
         self.url = resolve_url(url)
+        self.keys = keys
         if connect_timeout_seconds <= 0:
             raise ValueError("connect_timeout_seconds must be > 0")
         self.connect_timeout_seconds = connect_timeout_seconds
@@ -124,6 +140,8 @@ class AsyncClient:
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         socket.setsockopt(zmq.IDENTITY, f"c-{uuid.uuid4().hex}".encode())
+        if self.keys is not None:
+            self.keys.apply(socket)
         self._socket = socket
         try:
             with map_zmq_errors():
@@ -134,7 +152,7 @@ class AsyncClient:
         self._state = ClientState.OPENED
         self._reader = asyncio.create_task(self._read_loop())
         try:
-            await asyncio.wait_for(self.health(), self.connect_timeout_seconds)
+            await asyncio.wait_for(self._first_health(), self.connect_timeout_seconds)
         except (TimeoutError, TransportError) as exc:
             await self.aclose()
             reason = await silence_reason(self.url, self.connect_timeout_seconds)
@@ -142,6 +160,30 @@ class AsyncClient:
         except BaseException:
             await self.aclose()
             raise
+
+    async def _first_health(self) -> dict[str, Any]:
+        """health(); with CURVE keys, a handshake the service refuses ends it at once with
+        ``unauthorized`` rather than after the connect timeout (libzmq would retry for ever)."""
+        if self.keys is None or self._socket is None:
+            return await self.health()
+        monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        health = asyncio.ensure_future(self.health())
+        refused = asyncio.ensure_future(monitor.recv_multipart())
+        try:
+            done, _ = await asyncio.wait({health, refused}, return_when=asyncio.FIRST_COMPLETED)
+            if health in done:
+                return health.result()
+            event = zmq.utils.monitor.parse_monitor_message(refused.result())["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                message = f"{self.url} refused this client's key (not among its authorized keys)"
+            else:
+                message = f"the CurveZMQ handshake with {self.url} failed: is the server key the service's?"
+            raise KCoralError("unauthorized", message)
+        finally:
+            for future in (health, refused):
+                future.cancel()
+            self._socket.disable_monitor()
+            monitor.close(linger=0)
 
     async def aclose(self) -> None:
         """Close the connection; idempotent."""
@@ -171,8 +213,12 @@ class AsyncClient:
         timeout_seconds: float | None = None,
         gpu_count: int | None = None,
         output_limit_bytes: int | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> ProgramResult:
-        """Run ``program`` and return its result. Raises KCoralError when it cannot run."""
+        """Run ``program`` and return its result. Raises KCoralError when it cannot run.
+
+        ``on_progress`` is called with a :class:`~kcoral.client.progress.ProgressEvent` at each
+        step the service reports (uploading, queued, running, output)."""
         if not isinstance(program, Program):
             raise TypeError(f"execute needs a Program, got {type(program).__name__}")
         options = check_execute_options(timeout_seconds, gpu_count, output_limit_bytes)
@@ -194,9 +240,11 @@ class AsyncClient:
                     return self._final_result(request_id, reply, frames)
                 state = reply.get("state")
                 if state == "need_blobs":
-                    await self._send_blobs(request_id, reply.get("blobs"), blobs)
+                    await self._send_blobs(request_id, reply.get("blobs"), blobs, on_progress)
                 elif state == "running" and deadline is None:
                     deadline = time.monotonic() + timeout + protocol.CLIENT_MARGIN_SECONDS
+                if on_progress is not None and state != "need_blobs":
+                    _report(on_progress, _progress_event(request_id, reply))
         except asyncio.CancelledError:
             # Tell the service, so a program nobody waits for stops using a GPU.
             with contextlib.suppress(Exception):
@@ -252,13 +300,18 @@ class AsyncClient:
             async with self._send_lock:
                 await self._socket.send_multipart(protocol.message(command, body, *frames), copy=False)
 
-    async def _send_blobs(self, request_id: str, digests: Any, blobs: dict[str, Any]) -> None:
+    async def _send_blobs(
+        self, request_id: str, digests: Any, blobs: dict[str, Any], on_progress: ProgressCallback | None = None
+    ) -> None:
         if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise ProtocolError("need_blobs without a list of digests", request_id=request_id)
         unknown = [d for d in digests if d not in blobs]
         if unknown:
             raise ProtocolError(f"service asked for blobs this program lacks: {unknown[:3]}", request_id=request_id)
         frames = [blobs[d] for d in digests]
+        size = sum(memoryview(f).nbytes for f in frames)
+        if on_progress is not None and frames:
+            _report(on_progress, ProgressEvent("uploading", request_id, blobs=len(frames), bytes_total=size))
         self.blob_bytes_sent += sum(len(f) for f in frames)
         self.blobs_sent += len(frames)
         await self._send(protocol.BLOBS, {"request_id": request_id, "blobs": digests}, *frames)
@@ -363,6 +416,35 @@ def build_result(result: dict[str, Any], frames: list[Any]) -> ProgramResult:
     )
 
 
+def _progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:
+    """A PARTIAL as a ProgressEvent; fields of the wrong type are left out (PARTIAL is informative)."""
+    state = str(reply.get("state"))
+    gpu_ids = reply.get("gpu_ids")
+    position = reply.get("position")
+    index = reply.get("instruction_index")
+    node = reply.get("node")
+    stream = reply.get("stream")
+    offset = reply.get("offset")
+    text = reply.get("text")
+    return ProgressEvent(
+        state,
+        request_id,
+        position=position if isinstance(position, int) else None,
+        gpu_ids=tuple(g for g in gpu_ids if isinstance(g, int)) if isinstance(gpu_ids, list) else (),
+        instruction_index=index if isinstance(index, int) else None,
+        node=node if isinstance(node, str) else None,
+        stream=stream if stream in ("stdout", "stderr") else "",
+        offset=offset if isinstance(offset, int) else -1,
+        text=text if isinstance(text, str) else "",
+    )
+
+
+def _report(on_progress: ProgressCallback, event: ProgressEvent) -> None:
+    # A display that fails must not fail the program it displays.
+    with contextlib.suppress(Exception):
+        on_progress(event)
+
+
 def _request_error(request_id: str, reply: dict[str, Any]) -> KCoralError:
     error = reply.get("error")
     if not isinstance(error, dict):
@@ -371,10 +453,27 @@ def _request_error(request_id: str, reply: dict[str, Any]) -> KCoralError:
 
 
 class Client:
-    """A blocking client: ``with Client(url) as client: client.execute(program)``."""
+    """A blocking client: ``with Client(url) as client: client.execute(program)``.
 
-    def __init__(self, url: str | None = None, *, connect_timeout_seconds: float = 10.0) -> None:
-        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds)
+    ``progress``: draw a status line on stderr while ``execute`` waits (uploading, queued, running),
+    wiped when it returns. ``None`` (the default): only when stderr is a terminal.
+    ``show_output``: write the program's stdout and stderr here as it runs (where the service streams
+    them); ``output_shown`` then counts the characters of each written during the last ``execute``,
+    so the rest can be written from the result (the command-line adapters do this)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        connect_timeout_seconds: float = 10.0,
+        progress: bool | None = None,
+        show_output: bool = False,
+        keys: ClientKeys | None = None,
+    ) -> None:
+        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds, keys=keys)
+        self.progress = progress
+        self.show_output = show_output
+        self.output_shown = {"stdout": 0, "stderr": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -427,14 +526,27 @@ class Client:
         output_limit_bytes: int | None = None,
     ) -> ProgramResult:
         """Run ``program`` and return its result. Raises KCoralError when it cannot run."""
-        return self._call(
-            self._async.execute(
-                program,
-                timeout_seconds=timeout_seconds,
-                gpu_count=gpu_count,
-                output_limit_bytes=output_limit_bytes,
+        show_status = bool(self.progress or (self.progress is None and _is_terminal(sys.stderr)))
+        display = None
+        if show_status or self.show_output:
+            display = TerminalProgress(
+                sys.stderr, out=sys.stdout, show_status=show_status, show_output=self.show_output
             )
-        )
+        try:
+            return self._call(
+                self._async.execute(
+                    program,
+                    timeout_seconds=timeout_seconds,
+                    gpu_count=gpu_count,
+                    output_limit_bytes=output_limit_bytes,
+                    on_progress=display,
+                ),
+                tick=display.tick if display is not None and show_status else None,
+            )
+        finally:
+            if display is not None:
+                display.close()
+                self.output_shown = dict(display.shown)
 
     def health(self) -> dict[str, Any]:
         return self._call(self._async.health())
@@ -442,7 +554,7 @@ class Client:
     def target(self) -> dict[str, Any]:
         return self._call(self._async.target())
 
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coroutine: Coroutine[Any, Any, T], *, tick: Callable[[], None] | None = None) -> T:
         if self._loop is None:
             coroutine.close()
             raise RuntimeError("the client is not open: use it as a context manager")
@@ -456,6 +568,13 @@ class Client:
 
         future = asyncio.run_coroutine_threadsafe(call(), self._loop)
         try:
+            while tick is not None and not future.done():
+                try:
+                    return future.result(PROGRESS_TICK_SECONDS)
+                except concurrent.futures.TimeoutError:
+                    if future.done():
+                        break  # the call itself raised TimeoutError: re-raised below
+                    tick()
             return future.result()
         except KeyboardInterrupt:
             # Cancelling the call sends CANCEL for a program in flight; wait (briefly) until it
@@ -463,3 +582,10 @@ class Client:
             future.cancel()
             finished.wait(INTERRUPT_WAIT_SECONDS)
             raise
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

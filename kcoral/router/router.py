@@ -54,7 +54,9 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.requests import RequestQueue
+from kcoral.broker.settings import ORPHAN_GRACE_SECONDS, client_queue_limit
 from kcoral.broker.target import versions
+from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.router.nodes import (
     Node,
     RouterRequest,
@@ -64,7 +66,9 @@ from kcoral.router.nodes import (
     parse_quiet_seconds,
     parse_registration,
 )
+from kcoral.service import auth
 from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.fairness import OrphanWatch
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
@@ -91,6 +95,14 @@ class RouterSettings:
     node_wait_seconds: float = NODE_WAIT_SECONDS
     max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
     node_blob_memory: int = NODE_BLOB_MEMORY
+    # Access (kcoral/service/auth.py): CURVE with a clients and a nodes key set; without it, the
+    # router listens on loopback only unless insecure_listen_any.
+    security: auth.ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    max_queued_per_client: int | None = None  # None: a fair fraction of max_queued, as the broker's
+    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 class Router:
@@ -100,11 +112,21 @@ class Router:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex[:12]
         self.started_at = time.time()
+        self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
             "router",
-            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=settings.max_request_bytes,
+                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+                metrics_listen=settings.metrics_listen,
+            ),
             fail_request=self._finish_error,
+            metrics=self.metrics,
         )
+        security = settings.security
+        self.zap = auth.ZapAuthenticator(self.shell.context, security.authorized) if security is not None else None
+        self.orphans = OrphanWatch(settings.orphan_grace_seconds)
         self.shell.handlers.update(
             {
                 protocol.EXECUTE: self._on_execute,
@@ -132,9 +154,20 @@ class Router:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        security = self.settings.security
+        for endpoint, flag in ((self.settings.listen, "--listen"), (self.settings.nodes_listen, "--nodes-listen")):
+            auth.check_listen(
+                endpoint, secured=security is not None, insecure_listen_any=self.settings.insecure_listen_any, flag=flag
+            )
+        if self.zap is not None:
+            self.zap.start()  # before any socket binds: no handshake goes unchecked
         return await self.shell.serve(self._open, self._release, self._counters)
 
     async def _open(self) -> None:
+        if self.settings.security is not None:
+            # Only the host brokers whose keys are listed may register: anyone else could pose as
+            # a node and be sent other people's programs.
+            self.settings.security.apply(self.backend, auth.NODES_DOMAIN)
         self.backend.bind(self.settings.nodes_listen)
         self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
         self.shell.spawn(self._tick_loop(), name="ticks")
@@ -151,14 +184,24 @@ class Router:
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
         self.backend.close(linger=GOODBYE_LINGER_MS)
+        if self.zap is not None:
+            await self.zap.close()
 
-    def _counters(self) -> dict[str, int]:
-        return {**self.counters, "refused": self.shell.refused}
+    def _counters(self) -> dict[str, Any]:
+        return {**self.metrics.counters(), **self.counters, "refused": self.shell.refused}
 
     # --- clients ---
 
     def _on_execute(self, message: ClientMessage) -> None:
-        client, request_id = message.client, message.request_id
+        client, request_id, owner = message.client, message.request_id, message.owner or message.client
+        mine, limit = (
+            self.queue.queued_by(owner),
+            client_queue_limit(self.settings.max_queued, self.settings.max_queued_per_client),
+        )
+        if mine >= limit and request_id not in self.requests:
+            text = f"this client has {mine} programs waiting; one client may have at most {limit}"
+            self.shell.refuse(client, request_id, "busy", text)
+            return
         admitted = admit_execute(
             message.body,
             service="router",
@@ -173,7 +216,7 @@ class Router:
             self.shell.refuse(client, request_id, *admitted)
             return
         gpu_count, digests = admitted.options.gpu_count or 0, admitted.digests
-        request = RouterRequest(request_id, client, gpu_count, digests, message.frames)
+        request = RouterRequest(request_id, client, gpu_count, digests, message.frames, owner=owner)
         self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
@@ -297,9 +340,15 @@ class Router:
         request = node.requests.get(request_id)
         if request is None:
             return  # the answer to a request already failed (node_lost) or cancelled here
-        if body.get("state") == "queued":
+        state = body.get("state")
+        if state == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
+        if state in ("queued", "running"):
+            request.state = state
+            gpu_ids = body.get("gpu_ids")
+            if isinstance(gpu_ids, list):
+                request.gpu_ids = tuple(g for g in gpu_ids if isinstance(g, int))
         self.shell.send(request.client, message, request_id)
 
     def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
@@ -355,6 +404,7 @@ class Router:
             node.reachable = False  # not chosen again until it is heard from
             return False
         request.node = node
+        request.state = "dispatched"
         request.frames = None  # the node has the program and its attached blobs now
         node.requests[request.id] = request
         node.dispatched += 1
@@ -378,8 +428,17 @@ class Router:
         else:
             self.queue.remove(request)
         self.counters["finished"] += 1
+        self._count_finished(request, message)
         self.shell.send(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
+
+    def _count_finished(self, request: RouterRequest, message: list[Any]) -> None:
+        try:
+            body = message[2]
+            final = protocol.unpack_map(body.buffer if isinstance(body, zmq.Frame) else body)
+        except (IndexError, protocol.WireError):
+            final = protocol.final_error_body(request.id, "engine", "the node's FINAL could not be read")
+        self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
         log.info("request_failed", request_id=request.id, kind=kind, reason=text)
@@ -419,7 +478,14 @@ class Router:
         beat = protocol.message(protocol.NODE_HEARTBEAT, {})
         for node in self.nodes.values():
             self._send_node(node.identity, beat)
-        self.shell.heartbeat_clients()
+        self.orphans.gone(self.shell.heartbeat_clients())
+        # Programs whose client's connection is gone: waiting ones end at once, those on a node
+        # once the grace is over, cancelled there too (kcoral.service.fairness).
+        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.node is not None):
+            log.warning("client_gone_cancelling", request_id=request.id, running=running)
+            if request.node is not None:
+                self._send_node(request.node.identity, protocol.message(protocol.CANCEL, {"request_id": request.id}))
+            self._finish_error(request, "cancelled", "the client disconnected")
 
     def _expire_queued(self, now: float) -> None:
         """A queued program never waits for ever: see the module docstring for the rules."""
@@ -434,6 +500,19 @@ class Router:
                 self._finish_error(request, *refusal)
 
     # --- status ---
+
+    def _program_rows(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": r.id,
+                "client": r.client.decode(errors="replace"),
+                "state": r.state,
+                "age_s": round(now - r.received_at, 3),
+                "gpu_ids": list(r.gpu_ids),
+                "node": r.node.node_id if r.node is not None else None,
+            }
+            for r in self.requests
+        ]
 
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -455,6 +534,7 @@ class Router:
                 "queued_at_router": queued,
             },
             "counters": self._counters(),
+            **programs_in_flight(self._program_rows(now)),
             "target": self.target(),
             "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],

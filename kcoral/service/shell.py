@@ -38,6 +38,9 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.metrics import MetricsServer, ServiceMetrics
+from kcoral.service.auth import peer_identity
+from kcoral.service.fairness import RateLimit
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.service.tasks import TaskSet
 
@@ -45,6 +48,16 @@ log = structlog.get_logger("kcoral.service")
 
 # A drain waits this long for the programs in flight: the longest a program may run, and a margin.
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
+# Refusals are logged at most this often (per kind; bursts of REFUSAL_LOG_BURST): a flood of
+# refused requests (HEALTH over its rate, EXECUTE over a client's share) would otherwise cost the
+# loop a log line each. Those not logged are counted in the next line that is.
+# HEALTH and TARGET per client: plenty for a status page or a load balancer (a poll every 100 ms
+# is 10/s), while a flood of them is answered `busy` at a fraction of the cost.
+STATUS_REQUESTS_PER_SECOND = 20.0
+STATUS_REQUESTS_BURST = 50.0
+STATUS_BUSY_MESSAGE = f"more than {STATUS_REQUESTS_PER_SECOND:g} HEALTH or TARGET requests a second from this client"
+REFUSAL_LOGS_PER_SECOND = 10.0
+REFUSAL_LOG_BURST = 50.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,8 @@ class ClientMessage:
     body: dict[str, Any]
     frames: list[zmq.Frame]  # the message as received, without the identity: what a router forwards
     data: list[memoryview]  # the frames after the body: blobs
+    # Who sent it, for fair share: the client's CURVE key (all its connections), else ``client``.
+    owner: bytes = b""
 
     @property
     def data_bytes(self) -> int:
@@ -130,6 +145,8 @@ class ShellSettings:
     # Set on the client socket before it binds (CurveZMQ keys and ZAP domain, say).
     socket_options: Mapping[int, int | bytes] = field(default_factory=dict)
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 class ServiceShell(Generic[RequestT]):
@@ -142,6 +159,7 @@ class ServiceShell(Generic[RequestT]):
         settings: ShellSettings,
         *,
         fail_request: Callable[[RequestT, str, str], None],
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.name = name  # "broker" or "router": in log events and messages
         self.settings = settings
@@ -153,8 +171,14 @@ class ServiceShell(Generic[RequestT]):
         self.tasks = TaskSet()
         self.draining = False
         self.refused = 0
+        self._refusal_log: RateLimit[str] = RateLimit(REFUSAL_LOGS_PER_SECOND, REFUSAL_LOG_BURST)
+        self._refusals_not_logged = 0
+        self.status_limit: RateLimit[bytes] = RateLimit(STATUS_REQUESTS_PER_SECOND, STATUS_REQUESTS_BURST)
         self._fail_request = fail_request
         self._stopped = asyncio.Event()
+        self.metrics = metrics
+        self._metrics_server: MetricsServer | None = None
+        self._dispatching: bytes | None = None  # the command whose handler runs now
 
     # --- lifecycle ---
 
@@ -170,6 +194,9 @@ class ServiceShell(Generic[RequestT]):
         served = False
         try:
             self.bind()
+            if self.metrics is not None and self.settings.metrics_listen:
+                self._metrics_server = MetricsServer(self.metrics, self.settings.metrics_listen)
+                await self._metrics_server.start()
             await start()
             served = True
             await self.run()
@@ -228,6 +255,8 @@ class ServiceShell(Generic[RequestT]):
             message = f"the {self.name} stopped before the program finished"
             self.send(request.client, protocol.final_error(request.id, "engine", message), request.id)
         await self.tasks.cancel_all()
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
 
     def terminate(self) -> None:
         """Close the client socket, any socket the service left open (with its own linger), and
@@ -251,10 +280,12 @@ class ServiceShell(Generic[RequestT]):
         except protocol.WireError as exc:
             log.warning("bad_client_message", error=str(exc), command=command.hex())
             return
-        self.dispatch(ClientMessage(client, command, request_id, body, message, data))
+        owner = peer_identity(message[-1], client)
+        self.dispatch(ClientMessage(client, command, request_id, body, message, data, owner))
 
     def dispatch(self, message: ClientMessage) -> None:
         """Pass ``message`` through the hooks to its handler; a handler that raises answers ``engine``."""
+        self._dispatching = message.command
         try:
             for hook in self.hooks:
                 refusal = hook(message)
@@ -268,6 +299,8 @@ class ServiceShell(Generic[RequestT]):
             handler(message)
         except Exception as exc:
             self.fail_internal(message, exc)
+        finally:
+            self._dispatching = None
 
     def fail_internal(self, message: ClientMessage, exc: Exception) -> None:
         """A bug must not leave a request in limbo with its client waiting: answer it."""
@@ -292,19 +325,28 @@ class ServiceShell(Generic[RequestT]):
             self.refuse(client, request_id, "parse", f"unreadable message: {exc}")
 
     def answer(self, result: Callable[[], dict[str, Any]]) -> Handler:
-        """A handler that answers every request with ``result()`` (HEALTH, TARGET)."""
-        return lambda message: self.reply_ok(message.client, message.request_id, result())
+        """A handler that answers every request with ``result()`` (HEALTH, TARGET), at most
+        STATUS_REQUESTS_PER_SECOND per client (``busy`` beyond)."""
+
+        def handler(message: ClientMessage) -> None:
+            if not self.status_limit.allow(message.owner or message.client):
+                self.refuse(message.client, message.request_id, "busy", STATUS_BUSY_MESSAGE)
+            else:
+                self.reply_ok(message.client, message.request_id, result())
+
+        return handler
 
     # --- replies ---
 
     def send(self, client: bytes, message: list[Any], request_id: str | None = None) -> bool:
-        """Send ``message`` to ``client`` now; False when the client is gone."""
+        """Send ``message`` to ``client`` now; False when the client is gone (its connection
+        closed: ROUTER_MANDATORY), True when sent or only dropped because the client does not
+        read (its queue is full)."""
         try:
             send_now(self.clients, [client, *message])
         except zmq.ZMQError as exc:
-            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=request_id, error=str(exc))
-            return False
+            return exc.errno != zmq.EHOSTUNREACH
         return True
 
     def reply(self, client: bytes, command: bytes, body: dict[str, Any], *data: Any) -> bool:
@@ -316,14 +358,26 @@ class ServiceShell(Generic[RequestT]):
     def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
         """Answer a request that was not taken with FINAL ``kind``."""
         self.refused += 1
-        log.info("request_refused", request_id=request_id, kind=kind, reason=message)
+        if self.metrics is not None and self._dispatching == protocol.EXECUTE:
+            self.metrics.program_refused(kind)
+        if self._refusal_log.allow(kind):
+            log.info(
+                "request_refused",
+                request_id=request_id,
+                kind=kind,
+                reason=message,
+                not_logged=self._refusals_not_logged,
+            )
+            self._refusals_not_logged = 0
+        else:
+            self._refusals_not_logged += 1
         self.send(client, protocol.final_error(request_id, kind, message), request_id)
 
-    def heartbeat_clients(self) -> None:
-        """A HEARTBEAT to every client with a request in flight, so it knows the service lives."""
+    def heartbeat_clients(self) -> list[bytes]:
+        """A HEARTBEAT to every client with a request in flight, so it knows the service lives;
+        the clients found gone (their requests are orphans: see kcoral.service.fairness)."""
         beat = protocol.message(protocol.HEARTBEAT, {})
-        for client in self.requests.clients():
-            self.send(client, beat)
+        return [client for client in self.requests.clients() if not self.send(client, beat)]
 
 
 __all__ = [

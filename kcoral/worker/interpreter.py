@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import sys
+import threading
 import time
 import traceback
 import types
@@ -77,12 +78,20 @@ class LeaseChannel:
     first GPU run hold nothing.
     """
 
-    def __init__(self, socket: zmq.Socket[bytes] | None, request_id: str, gpu_ids: list[int]) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket[bytes] | None,
+        request_id: str,
+        gpu_ids: list[int],
+        lock: threading.Lock | None = None,
+    ) -> None:
         self.socket = socket
         self.request_id = request_id
         self.gpu_ids = gpu_ids
         self.times = LeaseTimes()
         self.granted_at: float | None = None
+        # Held around every use of the socket: the output follower's thread sends on it too.
+        self.lock = lock or threading.Lock()
 
     def needed(self) -> bool:
         return self.socket is not None and bool(self.gpu_ids)
@@ -93,13 +102,14 @@ class LeaseChannel:
             return
         assert self.socket is not None
         start = time.monotonic()
-        self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
-        while True:
-            command, body, _ = protocol.split_message(self.socket.recv_multipart())
-            if command == protocol.GRANT and body.get("request_id") == self.request_id:
-                break
-            if command == protocol.DISCONNECT:
-                os._exit(0)
+        with self.lock:
+            self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
+            while True:
+                command, body, _ = protocol.split_message(self.socket.recv_multipart())
+                if command == protocol.GRANT and body.get("request_id") == self.request_id:
+                    break
+                if command == protocol.DISCONNECT:
+                    os._exit(0)
         self.granted_at = time.monotonic()
         self.times.wait_ms += (self.granted_at - start) * 1000
 
