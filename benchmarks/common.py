@@ -35,11 +35,11 @@ def broker(*flags: str, checkout: Path | None = None) -> Iterator[tuple[str, sub
 
 
 @contextlib.contextmanager
-def router(nodes: int, *broker_flags: str) -> Iterator[str]:
+def router(nodes: int, *broker_flags: str, router_flags: Sequence[str] = ()) -> Iterator[str]:
     """Start ``kcoral router`` and ``nodes`` brokers that join it; yield the router's client URL once
     every node is live. Everything is stopped (SIGTERM) afterwards."""
     work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
-    service = start_router(work_dir, log_level="warning")
+    service = start_router(work_dir, *router_flags, log_level="warning")
     try:
         with contextlib.ExitStack() as stack:
             for index in range(nodes):

@@ -3,9 +3,11 @@ children of a process inside the production bubblewrap sandbox, with N stand-in 
 
     python benchmarks/confinement.py [--gpus 8] [--runs 50] [--pause-ms 20]
 
-Each run forks a child (as the zygote forks a worker), which confines itself to one GPU (then to
-half of them, on alternate runs) and exits; the parent reports the median and p90 of the time the
-child spent in ``confine`` and of the whole fork-to-exit. ``--pause-ms`` between runs stands for a
+Each run forks a child (as the zygote forks a worker), which confines itself and exits, in the
+worker's cases: nothing prepared; prepared while idle (``prepare``, after READY) for the GPU the
+program then leases (the slot's own: the broker prefers it); prepared for another GPU; and nothing
+prepared with half the GPUs leased. It reports the time in ``confine`` (on the program's path) and
+in ``prepare`` (while idle). ``--pause-ms`` between runs stands for a
 program's own run time (0: back to back, when each child's unshare meets the teardown of the
 previous child's mount namespace). Runs anywhere bubblewrap runs (no GPU).
 """
@@ -32,35 +34,46 @@ from kcoral.worker import confinement
 
 gpus, runs, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]) / 1000
 nodes = {i: f"/dev/nvidia{i}" for i in range(gpus)}
-confine_ms, fork_ms = {1: [], gpus // 2 or 1: []}, {1: [], gpus // 2 or 1: []}
+# (what the idle worker prepared, what the program leased): the worker's three cases.
+CASES = {
+    "cold: nothing prepared, 1 GPU": (None, [0]),
+    "prepared for the program's GPU": ([0], [0]),
+    "prepared for another GPU": ([1 % gpus], [0]),
+    f"cold: nothing prepared, {gpus // 2 or 1} of {gpus} GPUs": (None, list(range(gpus // 2 or 1))),
+}
+confine_ms = {case: [] for case in CASES}
+prepare_ms = {case: [] for case in CASES}
 for run in range(runs):
-    time.sleep(pause)
-    count = 1 if run % 2 == 0 else (gpus // 2 or 1)
-    read, write = os.pipe()
-    start = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:
+    for case, (prepared, leased) in CASES.items():
+        time.sleep(pause)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            confinement.configure(nodes)
+            start = time.perf_counter()
+            if prepared is not None:
+                confinement.prepare(prepared)
+            took_prepare = (time.perf_counter() - start) * 1000
+            refusal = confinement.confine(leased)
+            seen = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
+            os.write(write, json.dumps([refusal, took_prepare, confinement.confinement_ms(), seen]).encode())
+            os._exit(0)
+        os.close(write)
+        refusal, took_prepare, took, seen = json.loads(os.read(read, 65536))
+        os.waitpid(pid, 0)
         os.close(read)
-        confinement.configure(nodes)
-        refusal = confinement.confine(list(range(count)))
-        seen = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit())
-        os.write(write, json.dumps([refusal, confinement.confinement_ms(), seen]).encode())
-        os._exit(0)
-    os.close(write)
-    refusal, took, seen = json.loads(os.read(read, 65536))
-    os.waitpid(pid, 0)
-    os.close(read)
-    assert refusal is None, refusal
-    assert seen == [f"nvidia{i}" for i in range(count)], seen
-    fork_ms[count].append((time.perf_counter() - start) * 1000)
-    confine_ms[count].append(took)
+        assert refusal is None, refusal
+        assert seen == [f"nvidia{i}" for i in leased], (case, seen)
+        confine_ms[case].append(took)
+        prepare_ms[case].append(took_prepare)
 
 def stats(samples):
     ordered = sorted(samples)
     return {"median": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))]}
 
-print(json.dumps({str(k): {"confine_ms": stats(confine_ms[k]), "fork_to_exit_ms": stats(fork_ms[k])}
-                  for k in confine_ms}))
+print(json.dumps({case: {"confine_ms": stats(confine_ms[case]), "prepare_ms": stats(prepare_ms[case])}
+                  for case in CASES}))
 """
 
 
@@ -96,17 +109,13 @@ def main() -> int:
         return 1
     report = json.loads(done.stdout.strip().splitlines()[-1])
     rows = [
-        [
-            f"{count} of {args.gpus} GPUs",
-            r["confine_ms"]["median"],
-            r["confine_ms"]["p90"],
-            r["fork_to_exit_ms"]["median"],
-        ]
-        for count, r in report.items()
+        [case, r["confine_ms"]["median"], r["confine_ms"]["p90"], r["prepare_ms"]["median"]]
+        for case, r in report.items()
     ]
     print_table(
-        f"Worker confinement ({machine()}, {args.runs} forks, {args.pause_ms:g} ms apart)",
-        ["kept", "confine median ms", "confine p90 ms", "fork to exit median ms"],
+        f"Worker confinement, {args.gpus} stand-in GPUs ({machine()}, {args.runs} forks each, "
+        f"{args.pause_ms:g} ms apart)",
+        ["case", "confine() median ms", "p90 ms", "prepare() while idle, median ms"],
         rows,
     )
     return 0

@@ -433,6 +433,42 @@ def summarize(load: Load, url: str, service: str) -> dict[str, Any]:
     }
 
 
+# Error kinds only a client can see: the service never counts them.
+CLIENT_SIDE_KINDS = ("transport", "protocol", "abandoned")
+
+
+def scrape_programs(url: str) -> dict[tuple[str, str], float]:
+    """kcoral_programs_total from a metrics endpoint: (outcome, error kind) -> count."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    counts: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kcoral_programs_total":
+                counts[(sample.labels["outcome"], sample.labels["error_kind"])] = sample.value
+    return counts
+
+
+def compare_with_service(
+    load: Load, before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> dict[str, Any]:
+    """The service's own counts of this run (the endpoint's difference) beside the loadgen's."""
+    service = {f"{o}:{k}" if k else o: after.get((o, k), 0) - before.get((o, k), 0) for o, k in after}
+    service = {key: int(n) for key, n in sorted(service.items()) if n}
+    seen: Counter[str] = Counter()
+    for sample in load.samples:
+        if sample.outcome == "error" and (sample.error_kind in CLIENT_SIDE_KINDS or ":" in str(sample.error_kind)):
+            continue
+        outcome = {"COMPLETED": "completed", "FAILED": "failed"}.get(sample.outcome, "error")
+        seen[f"{outcome}:{sample.error_kind}" if outcome != "completed" else outcome] += 1
+    loadgen = dict(sorted(seen.items()))
+    return {"service": service, "loadgen": loadgen, "agree": service == loadgen}
+
+
 def print_report(summary: dict[str, Any]) -> None:
     rows = []
     for label, entry in summary["kinds"].items():
@@ -464,6 +500,12 @@ def print_report(summary: dict[str, Any]) -> None:
     )
     if summary["nodes"]:
         print("programs per node: " + ", ".join(f"{n} {c}" for n, c in sorted(summary["nodes"].items())))
+    metrics = summary.get("metrics")
+    if metrics:
+        verdict = "yes" if metrics["agree"] else "NO"
+        print(f"the service's metrics agree with these counts: {verdict}")
+        print(f"  service (kcoral_programs_total, this run): {metrics['service']}")
+        print(f"  loadgen:                                   {metrics['loadgen']}")
 
 
 def plot(path: str, load: Load, title: str) -> None:
@@ -522,7 +564,7 @@ def service(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         return
     flags = shlex.split(args.broker or "")
     if args.router_nodes:
-        with router(args.router_nodes, *flags) as url:
+        with router(args.router_nodes, *flags, router_flags=shlex.split(args.router or "")) as url:
             yield url, f"router with {args.router_nodes} brokers ({args.broker or 'default flags'})"
     else:
         with broker(*flags) as (url, _):
@@ -555,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--url", help="drive this broker or router (default: start a broker here)")
     parser.add_argument("--broker", default="--fake-gpus 2", help="flags of the broker(s) started here")
     target.add_argument("--router-nodes", type=int, default=0, help="start a router with this many brokers")
+    parser.add_argument("--router", default="", help="flags of the router started here (with --router-nodes)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients, one connection each")
     parser.add_argument("--rate", type=float, default=None, help="open loop: programs per second in all")
     parser.add_argument("--duration", type=float, default=None, help="seconds of submissions (default 30)")
@@ -568,6 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", help="write a PNG of latency over time and its distribution here")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any program ends unexpectedly")
+    parser.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="the service's Prometheus endpoint (http://HOST:PORT/metrics): its program counts for the run "
+        "are compared with the loadgen's",
+    )
     return parser
 
 
@@ -588,14 +637,19 @@ def main(argv: list[str] | None = None) -> int:
         kinds = asyncio.run(probe_benchmark(url, kinds))
         load = Load(kinds, args.clients, args.duration, args.count, args.rate, args.seed)
         progress = None if args.quiet else ProgressBar(sys.stderr)
+        before = scrape_programs(args.metrics) if args.metrics else {}
         asyncio.run(drive(url, load, progress))
+        after = scrape_programs(args.metrics) if args.metrics else {}
     summary = summarize(load, url, description)
+    if args.metrics:
+        summary["metrics"] = compare_with_service(load, before, after)
     print_report(summary)
     if args.json:
         save_json(args.json, {**summary, "samples": [asdict(s) for s in load.samples]})
     if args.plot:
         plot(args.plot, load, f"{description}, {args.clients} clients, {summary['mode']}")
     bad = not summary["accounted"] or summary["engine_errors"] or (args.strict and summary["unexpected"])
+    bad = bad or (args.metrics and not summary["metrics"]["agree"])
     return 1 if bad else 0
 
 

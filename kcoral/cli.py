@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import dataclasses
 import errno
-import json
 import logging
 import os
 import re
@@ -99,6 +98,8 @@ def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type
     """
     import zmq
 
+    from kcoral.metrics import MetricsListenError
+
     log = structlog.get_logger("kcoral.cli")
 
     async def serve() -> int:
@@ -129,6 +130,9 @@ def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type
         return EXIT_CONFIG
     except zmq.ZMQError as exc:  # an endpoint that cannot be bound (in use, not this host's address)
         return _cannot_listen(name, exc)
+    except MetricsListenError as exc:
+        print(f"kcoral {name}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except KeyboardInterrupt:  # before the handlers were installed
         return EXIT_OK
 
@@ -218,6 +222,16 @@ def _endpoint(text: str) -> str:
     if not re.fullmatch(r"tcp://.+:[0-9]+|ipc://.+", text):
         hint = f" (did you mean tcp://{text}?)" if re.fullmatch(r"[^/:]+:[0-9]+", text) else ""
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}{hint}")
+    return text
+
+
+def _metrics_listen(text: str) -> str:
+    from kcoral.metrics import parse_listen
+
+    try:
+        parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -384,6 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="declared sizes and blob bytes of one program",
     )
 
+    for service in (broker, router):
+        service.add_argument(
+            "--metrics-listen",
+            metavar="HOST:PORT",
+            type=_metrics_listen,
+            default=None,
+            help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+        )
+
     status = sub.add_parser(
         "status",
         help="show a broker's or router's capacity, queue, leases, workers",
@@ -392,7 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "url", nargs="?", default=None, help=f"tcp://HOST:PORT (default: $KCORAL_URL or {DEFAULT_BROKER_URL})"
     )
-    status.add_argument("--json", action="store_true", help="the full health map as JSON")
+    status.add_argument("--json", action="store_true", help="the full health map as JSON (one per line with --watch)")
+    status.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
+    status.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="S", help="seconds between pages")
+    status.add_argument(
+        "--count", type=_positive, default=None, metavar="N", help="stop after N pages (implies --watch)"
+    )
 
     from kcoral.tools import add_adapter_parsers
 
@@ -506,6 +534,7 @@ def _broker(args: argparse.Namespace) -> int:
         limits={k: v for k, v in limits.items() if v},
         upstream=args.upstream,
         node_id=args.node_id,
+        metrics_listen=args.metrics_listen,
     )
     # The CLI makes the temporary run directory, so that it goes away however the broker ends
     # (a port in use, a sandbox that cannot start).
@@ -528,6 +557,7 @@ def _router(args: argparse.Namespace) -> int:
         queue_timeout_seconds=args.queue_timeout,
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
+        metrics_listen=args.metrics_listen,
     )
     return run_service("router", lambda: Router(settings))
 
@@ -548,54 +578,25 @@ def _cannot_listen(service: str, exc: Any) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kcoral import Client, KCoralError
+    from kcoral import KCoralError
+    from kcoral.status import show, watch
 
     url = args.url or os.environ.get("KCORAL_URL") or DEFAULT_BROKER_URL
     try:
-        with Client(url, connect_timeout_seconds=5.0) as client:
-            health = client.health()
+        if args.watch or args.count:
+            watch(url, as_json=args.json, interval=args.interval, count=args.count)
+        else:
+            show(url, as_json=args.json)
     except ValueError as exc:  # not a zmq URL (http://...)
         print(f"kcoral status: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KCoralError as exc:
         print(f"kcoral status: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if args.json:
-        print(json.dumps(health, indent=2, default=str))
-        return EXIT_OK
-    load = health.get("load", {})
-    print(f"service   {url}  status={health.get('status')}  instance={health.get('instance_id')}")
-    print(
-        f"capacity  {load.get('request_capacity')} programs at once; "
-        f"{load.get('requests_in_progress')} running, {load.get('requests_waiting')} waiting"
-    )
-    print(f"gpus      {health.get('gpu_count')}  (fake: {health.get('fake_gpus', 0)})")
-    for gpu in (health.get("target") or {}).get("gpus") or []:  # the indices of gpu_ids and leases
-        print(f"  gpu {gpu.get('index')}: {gpu.get('name')} pci={gpu.get('pci_bus_id')} "
-              f"node={gpu.get('device_node')} {gpu.get('uuid')}")
-    for gpu, lease in (health.get("leases") or {}).items():
-        print(f"  lease {gpu}: holder={lease.get('holder')} waiters={len(lease.get('waiters') or [])}")
-    if "workers" in health:  # a router has nodes instead of workers and a cache
-        workers = health["workers"]
-        print(f"workers   {workers.get('slots')} slots, {workers.get('idle')} idle, {workers.get('busy')} busy")
-        for zygote in workers.get("zygotes", []):
-            print(f"  slot {zygote['slot']} gpu={zygote['gpu']} {zygote['state']} restarts={zygote['restarts']}")
-    if "cache" in health:
-        cache = health["cache"]
-        print(
-            f"cache     memory {cache.get('entries')} blobs, {cache.get('bytes')} bytes; "
-            f"disk {cache.get('disk_entries')} blobs, {cache.get('disk_bytes')} bytes in {cache.get('dir')}; "
-            f"hits={cache.get('hits')} misses={cache.get('misses')}"
-        )
-    if "nodes" in health:
-        print(f"nodes     {sum(1 for n in health['nodes'] if n.get('state') == 'live')} live")
-    for node in health.get("nodes", []) or []:
-        load = node.get("load") or {}
-        print(
-            f"  node {node.get('node_id')} {node.get('state')} gpus={node.get('gpus')} "
-            f"slots={load.get('request_capacity')} running={load.get('requests_in_progress')} "
-            f"in_flight={node.get('in_flight')} last_heard={node.get('last_heard_s')}s"
-        )
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:  # `kcoral status --watch | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK
 
 

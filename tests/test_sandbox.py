@@ -496,3 +496,52 @@ def test_check_bwrap_with_gpus_says_when_the_capabilities_are_refused(tmp_path: 
     with pytest.raises(SandboxUnavailable, match="confine each worker") as caught:
         check_bwrap(wrapper, with_gpus=True)
     assert "--cap-add refused" in str(caught.value)
+
+
+def test_every_slot_gets_every_gpu_node_and_its_zygote_the_index_to_node_map(
+    slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kcoral.broker.target import GpuInfo, TargetInfo
+
+    launcher = Bubblewrap(
+        bwrap=BWRAP,
+        run_dir=slots.root / "run",
+        ipc_dir=slots.ipc_dir,
+        blob_dir=slots.blob_dir,
+        readonly_paths=(),
+        environ=os.environ,
+    )
+    # Fake GPUs: stand-in files under the run directory, seen at /dev/nvidiaN.
+    fake = launcher.gpu_binds(TargetInfo("cpu", (), 2))
+    assert {i: (b.source.read_text(), str(b.inside)) for i, b in fake.items()} == {
+        0: ("fake GPU 0\n", "/dev/nvidia0"),
+        1: ("fake GPU 1\n", "/dev/nvidia1"),
+    }
+    zygote = [sys.executable, "-m", "kcoral.worker.zygote", "--slot", "1"]
+    for slot in (0, 1):  # the same nodes in every slot, whichever GPU is the slot's own
+        argv = launcher.wrap(zygote, slot=slot, workspace=slots.workspace, gpu_nodes=fake)
+        dev_binds = [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == "--dev-bind"]
+        assert dev_binds == [(str(fake[0].source), "/dev/nvidia0"), (str(fake[1].source), "/dev/nvidia1")]
+        assert argv[-2:] == ["--gpu-nodes", json.dumps({"0": "/dev/nvidia0", "1": "/dev/nvidia1"})]
+        assert "--cap-add" in argv
+    # Real GPUs: the driver's minor names the node (GPU 0 is /dev/nvidia1 here); one without a
+    # known minor gets none.
+    monkeypatch.setattr("kcoral.sandbox.launcher.check_bwrap", lambda *a, **k: BWRAP)  # checked above
+    real = TargetInfo(
+        "gpu",
+        (
+            GpuInfo(0, "H200", "9.0", 143771, "0000:19:00.0", "GPU-a", 1),
+            GpuInfo(1, "H200", "9.0", 143771, "0000:3b:00.0", "GPU-b", 0),
+            GpuInfo(2, "H200", "9.0", 143771, "0000:5d:00.0", "GPU-c", None),
+        ),
+    )
+    binds = launcher.gpu_binds(real)
+    assert {i: (str(b.source), str(b.inside)) for i, b in binds.items()} == {
+        0: ("/dev/nvidia1", "/dev/nvidia1"),
+        1: ("/dev/nvidia0", "/dev/nvidia0"),
+    }
+    # Without a sandbox nothing is bound or confined: CUDA_VISIBLE_DEVICES picks a program's GPUs.
+    from kcoral.sandbox.launcher import Unsandboxed
+
+    assert Unsandboxed().gpu_binds(real) == {}
+    assert Unsandboxed().wrap(zygote, slot=0, workspace=slots.workspace, gpu_nodes={}) == zygote

@@ -27,10 +27,11 @@ from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, Pr
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.requests import Request, RequestQueue, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
+from kcoral.broker.supervisor import Supervisor, WorkerExit, slot_specs
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
 from kcoral.broker.workers import WorkerPool
+from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
@@ -69,10 +70,16 @@ class Broker:
                 disk_bytes=settings.cache_disk_bytes,
             )
         )
+        self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
-            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=settings.max_request_bytes,
+                metrics_listen=settings.metrics_listen,
+            ),
             fail_request=self._finish_error,
+            metrics=self.metrics,
         )
         self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()
@@ -101,48 +108,18 @@ class Broker:
         )
         self.backend = router_socket(self.shell.context)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
-        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
+        specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint)
+        self.supervisor = Supervisor(specs, self._on_worker_exit, self._on_worker_forked)
         self.pool = WorkerPool(self.supervisor.states)
-        self.completed = 0
-        self.failed = 0
         self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
     # --- setup ---
 
-    def _slot_specs(self) -> list[SlotSpec]:
-        from kcoral.sandbox.launcher import zygote_launcher
-
-        # Checks once that bwrap runs (SandboxUnavailable otherwise), not once per slot.
-        launcher = zygote_launcher(self.settings, self.run_dir)
-        slots: list[SlotSpec] = []
-        if self.gpu_ids:
-            placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
-        else:
-            placement = [None] * self.settings.workers
-        # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
-        gpu_nodes = launcher.gpu_binds(self.target)
-        for slot, gpu in enumerate(placement):
-            workspace = self.run_dir / "slots" / str(slot)
-            argv = zygote_command(
-                connect=self.worker_endpoint,
-                slot=slot,
-                gpu=gpu,
-                workspace=launcher.workspace_inside(workspace),
-                max_programs=self.settings.max_programs_per_worker,
-                limits=self.settings.limits,
-                preload=self.settings.preload,
-            )
-            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
-            slots.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
-        return slots
-
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
-        return await self.shell.serve(
-            self._open, self._release, lambda: {"completed": self.completed, "failed": self.failed}
-        )
+        return await self.shell.serve(self._open, self._release, self.metrics.counters)
 
     async def _open(self) -> None:
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
@@ -316,10 +293,20 @@ class Broker:
         elif command == protocol.RELEASE:
             self.leases.release(request.id)
         elif command == protocol.PROGRESS:
-            index = body.get("index")
-            request.instruction_index = index if isinstance(index, int) else None
+            self._on_progress(request, body)
         elif command == protocol.RESULT:
             self._on_result(request, worker, body, data)
+
+    def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
+        """The instruction now running, or a piece of the program's output, which goes on to the
+        client as PARTIAL ``output`` (a client shows it live; the result repeats all of it)."""
+        index, stream, offset, text = body.get("index"), body.get("stream"), body.get("offset"), body.get("text")
+        if isinstance(index, int):
+            request.instruction_index = index
+        elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
+            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
+                piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
+                self.tell(request, piece)
 
     def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
         if self.pool.ready(identity, body) is not None:
@@ -435,10 +422,13 @@ class Broker:
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
-        if body.get("ok") and result.get("status") == "COMPLETED":
-            self.completed += 1
-        else:
-            self.failed += 1
+        now = time.monotonic()
+        ran = request.started_at and request.queued_at
+        self.metrics.program_finished(
+            body,
+            end_to_end_seconds=now - request.received_at,
+            queue_seconds=(request.started_at - request.queued_at) if ran else None,
+        )
         request.state = "done"
         self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
@@ -489,6 +479,7 @@ class Broker:
     # --- status ---
 
     def health(self) -> dict[str, Any]:
+        now = time.monotonic()
         running = sum(1 for r in self.requests if r.state == "running")
         waiting = len(self.requests) - running
         return {
@@ -511,7 +502,8 @@ class Broker:
             },
             "leases": self.leases.snapshot(),
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
-            "counters": {"completed": self.completed, "failed": self.failed},
+            "counters": self.metrics.counters(),
+            **programs_in_flight([r.describe(now) for r in self.requests]),
             "sandbox": self.settings.sandbox,
             "target": self.target.to_wire(),
             "versions": versions(),

@@ -253,9 +253,10 @@ class ProgramIntake:
         if request.timer is not None:
             request.timer.cancel()
             request.timer = None
+        ahead = sum(1 for r in self.requests if r.state == "queued")  # for a client's progress line
         request.state = "queued"
         request.queued_at = time.monotonic()
-        self.port.tell(request, {"request_id": request.id, "state": "queued"})
+        self.port.tell(request, {"request_id": request.id, "state": "queued", "position": ahead})
         self.port.enqueue(request)
 
     def worker_blobs(self, request: Request) -> tuple[list[str], list[memoryview], dict[str, str]]:

@@ -45,6 +45,16 @@ class Request:
     lease_task: asyncio.Task[None] | None = None
     bytes_received: int = 0
 
+    def describe(self, now: float) -> dict[str, Any]:
+        """A row of health's programs in flight."""
+        return {
+            "request_id": self.id,
+            "client": self.client.decode(errors="replace"),
+            "state": self.state,
+            "age_s": round(now - self.received_at, 3),
+            "gpu_ids": list(self.gpu_ids),
+        }
+
 
 class FromClient(Protocol):
     client: bytes

@@ -42,6 +42,8 @@ class BrokerSettings:
     # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
     upstream: str | None = None
     node_id: str | None = None
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 __all__ = ["BrokerSettings"]

@@ -12,13 +12,15 @@ a background thread, so both share one implementation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import os
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -26,6 +28,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.client.program import Program
+from kcoral.client.progress import ProgressCallback, ProgressEvent, TerminalProgress
 from kcoral.client.reach import Unresolvable, check_resolves, silence_reason
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError, ProtocolError, TransportError
@@ -41,6 +44,7 @@ SEND_HIGH_WATER_MARK = 10_000
 CANCEL_LINGER_MS = 2000
 # How long Client waits, after Ctrl-C, for its cancelled call to send its CANCEL before re-raising.
 INTERRUPT_WAIT_SECONDS = 2.0
+PROGRESS_TICK_SECONDS = 0.5  # how often a progress line on a terminal redraws its clock
 
 
 class ClientState(enum.Enum):
@@ -171,8 +175,12 @@ class AsyncClient:
         timeout_seconds: float | None = None,
         gpu_count: int | None = None,
         output_limit_bytes: int | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> ProgramResult:
-        """Run ``program`` and return its result. Raises KCoralError when it cannot run."""
+        """Run ``program`` and return its result. Raises KCoralError when it cannot run.
+
+        ``on_progress`` is called with a :class:`~kcoral.client.progress.ProgressEvent` at each
+        step the service reports (uploading, queued, running, output)."""
         if not isinstance(program, Program):
             raise TypeError(f"execute needs a Program, got {type(program).__name__}")
         options = check_execute_options(timeout_seconds, gpu_count, output_limit_bytes)
@@ -194,9 +202,11 @@ class AsyncClient:
                     return self._final_result(request_id, reply, frames)
                 state = reply.get("state")
                 if state == "need_blobs":
-                    await self._send_blobs(request_id, reply.get("blobs"), blobs)
+                    await self._send_blobs(request_id, reply.get("blobs"), blobs, on_progress)
                 elif state == "running" and deadline is None:
                     deadline = time.monotonic() + timeout + protocol.CLIENT_MARGIN_SECONDS
+                if on_progress is not None and state != "need_blobs":
+                    _report(on_progress, _progress_event(request_id, reply))
         except asyncio.CancelledError:
             # Tell the service, so a program nobody waits for stops using a GPU.
             with contextlib.suppress(Exception):
@@ -252,13 +262,18 @@ class AsyncClient:
             async with self._send_lock:
                 await self._socket.send_multipart(protocol.message(command, body, *frames), copy=False)
 
-    async def _send_blobs(self, request_id: str, digests: Any, blobs: dict[str, Any]) -> None:
+    async def _send_blobs(
+        self, request_id: str, digests: Any, blobs: dict[str, Any], on_progress: ProgressCallback | None = None
+    ) -> None:
         if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise ProtocolError("need_blobs without a list of digests", request_id=request_id)
         unknown = [d for d in digests if d not in blobs]
         if unknown:
             raise ProtocolError(f"service asked for blobs this program lacks: {unknown[:3]}", request_id=request_id)
         frames = [blobs[d] for d in digests]
+        size = sum(memoryview(f).nbytes for f in frames)
+        if on_progress is not None and frames:
+            _report(on_progress, ProgressEvent("uploading", request_id, blobs=len(frames), bytes_total=size))
         self.blob_bytes_sent += sum(len(f) for f in frames)
         self.blobs_sent += len(frames)
         await self._send(protocol.BLOBS, {"request_id": request_id, "blobs": digests}, *frames)
@@ -363,6 +378,35 @@ def build_result(result: dict[str, Any], frames: list[Any]) -> ProgramResult:
     )
 
 
+def _progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:
+    """A PARTIAL as a ProgressEvent; fields of the wrong type are left out (PARTIAL is informative)."""
+    state = str(reply.get("state"))
+    gpu_ids = reply.get("gpu_ids")
+    position = reply.get("position")
+    index = reply.get("instruction_index")
+    node = reply.get("node")
+    stream = reply.get("stream")
+    offset = reply.get("offset")
+    text = reply.get("text")
+    return ProgressEvent(
+        state,
+        request_id,
+        position=position if isinstance(position, int) else None,
+        gpu_ids=tuple(g for g in gpu_ids if isinstance(g, int)) if isinstance(gpu_ids, list) else (),
+        instruction_index=index if isinstance(index, int) else None,
+        node=node if isinstance(node, str) else None,
+        stream=stream if stream in ("stdout", "stderr") else "",
+        offset=offset if isinstance(offset, int) else -1,
+        text=text if isinstance(text, str) else "",
+    )
+
+
+def _report(on_progress: ProgressCallback, event: ProgressEvent) -> None:
+    # A display that fails must not fail the program it displays.
+    with contextlib.suppress(Exception):
+        on_progress(event)
+
+
 def _request_error(request_id: str, reply: dict[str, Any]) -> KCoralError:
     error = reply.get("error")
     if not isinstance(error, dict):
@@ -371,10 +415,26 @@ def _request_error(request_id: str, reply: dict[str, Any]) -> KCoralError:
 
 
 class Client:
-    """A blocking client: ``with Client(url) as client: client.execute(program)``."""
+    """A blocking client: ``with Client(url) as client: client.execute(program)``.
 
-    def __init__(self, url: str | None = None, *, connect_timeout_seconds: float = 10.0) -> None:
+    ``progress``: draw a status line on stderr while ``execute`` waits (uploading, queued, running),
+    wiped when it returns. ``None`` (the default): only when stderr is a terminal.
+    ``show_output``: write the program's stdout and stderr here as it runs (where the service streams
+    them); ``output_shown`` then counts the characters of each written during the last ``execute``,
+    so the rest can be written from the result (the command-line adapters do this)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        connect_timeout_seconds: float = 10.0,
+        progress: bool | None = None,
+        show_output: bool = False,
+    ) -> None:
         self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds)
+        self.progress = progress
+        self.show_output = show_output
+        self.output_shown = {"stdout": 0, "stderr": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -427,14 +487,27 @@ class Client:
         output_limit_bytes: int | None = None,
     ) -> ProgramResult:
         """Run ``program`` and return its result. Raises KCoralError when it cannot run."""
-        return self._call(
-            self._async.execute(
-                program,
-                timeout_seconds=timeout_seconds,
-                gpu_count=gpu_count,
-                output_limit_bytes=output_limit_bytes,
+        show_status = bool(self.progress or (self.progress is None and _is_terminal(sys.stderr)))
+        display = None
+        if show_status or self.show_output:
+            display = TerminalProgress(
+                sys.stderr, out=sys.stdout, show_status=show_status, show_output=self.show_output
             )
-        )
+        try:
+            return self._call(
+                self._async.execute(
+                    program,
+                    timeout_seconds=timeout_seconds,
+                    gpu_count=gpu_count,
+                    output_limit_bytes=output_limit_bytes,
+                    on_progress=display,
+                ),
+                tick=display.tick if display is not None and show_status else None,
+            )
+        finally:
+            if display is not None:
+                display.close()
+                self.output_shown = dict(display.shown)
 
     def health(self) -> dict[str, Any]:
         return self._call(self._async.health())
@@ -442,7 +515,7 @@ class Client:
     def target(self) -> dict[str, Any]:
         return self._call(self._async.target())
 
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coroutine: Coroutine[Any, Any, T], *, tick: Callable[[], None] | None = None) -> T:
         if self._loop is None:
             coroutine.close()
             raise RuntimeError("the client is not open: use it as a context manager")
@@ -456,6 +529,13 @@ class Client:
 
         future = asyncio.run_coroutine_threadsafe(call(), self._loop)
         try:
+            while tick is not None and not future.done():
+                try:
+                    return future.result(PROGRESS_TICK_SECONDS)
+                except concurrent.futures.TimeoutError:
+                    if future.done():
+                        break  # the call itself raised TimeoutError: re-raised below
+                    tick()
             return future.result()
         except KeyboardInterrupt:
             # Cancelling the call sends CANCEL for a program in flight; wait (briefly) until it
@@ -463,3 +543,10 @@ class Client:
             future.cancel()
             finished.wait(INTERRUPT_WAIT_SECONDS)
             raise
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

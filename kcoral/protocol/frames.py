@@ -66,6 +66,7 @@ MAX_NESTING: Final = 64  # depth of a value tree
 DEFAULT_MAX_REQUEST_BYTES: Final = 8 << 30  # a program with all its blobs
 DEFAULT_MAX_RESPONSE_BYTES: Final = 8 << 30  # a result with all its frames
 DEFAULT_OUTPUT_LIMIT_BYTES: Final = 1 << 20  # stdout and stderr, each
+OUTPUT_PIECE_BYTES: Final = 64 << 10  # the most output one PROGRESS (and PARTIAL output) carries
 MAX_OUTPUT_LIMIT_BYTES: Final = 64 << 20
 INLINE_SOURCE_BYTES: Final = 4096  # module sources above this travel as blobs
 INLINE_BYTES_LIMIT: Final = 64 << 10  # returned bytes above this travel as frames

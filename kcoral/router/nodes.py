@@ -29,6 +29,10 @@ class RouterRequest:
     frames: list[Any] | None  # the EXECUTE as received, kept until it goes to a node
     received_at: float = field(default_factory=time.monotonic)
     node: Node | None = None
+    # What the node last said of it (PARTIAL): "queued" here, then "dispatched", "queued" or
+    # "running" at the node; for kcoral status.
+    state: str = "queued"
+    gpu_ids: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)

@@ -55,6 +55,7 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.broker.requests import RequestQueue
 from kcoral.broker.target import versions
+from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.router.nodes import (
     Node,
     RouterRequest,
@@ -91,6 +92,8 @@ class RouterSettings:
     node_wait_seconds: float = NODE_WAIT_SECONDS
     max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
     node_blob_memory: int = NODE_BLOB_MEMORY
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 class Router:
@@ -100,10 +103,16 @@ class Router:
         self.settings = settings
         self.instance_id = uuid.uuid4().hex[:12]
         self.started_at = time.time()
+        self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
             "router",
-            ShellSettings(listen=settings.listen, max_message_bytes=settings.max_request_bytes),
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=settings.max_request_bytes,
+                metrics_listen=settings.metrics_listen,
+            ),
             fail_request=self._finish_error,
+            metrics=self.metrics,
         )
         self.shell.handlers.update(
             {
@@ -152,8 +161,8 @@ class Router:
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
         self.backend.close(linger=GOODBYE_LINGER_MS)
 
-    def _counters(self) -> dict[str, int]:
-        return {**self.counters, "refused": self.shell.refused}
+    def _counters(self) -> dict[str, Any]:
+        return {**self.metrics.counters(), **self.counters, "refused": self.shell.refused}
 
     # --- clients ---
 
@@ -297,9 +306,15 @@ class Router:
         request = node.requests.get(request_id)
         if request is None:
             return  # the answer to a request already failed (node_lost) or cancelled here
-        if body.get("state") == "queued":
+        state = body.get("state")
+        if state == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
+        if state in ("queued", "running"):
+            request.state = state
+            gpu_ids = body.get("gpu_ids")
+            if isinstance(gpu_ids, list):
+                request.gpu_ids = tuple(g for g in gpu_ids if isinstance(g, int))
         self.shell.send(request.client, message, request_id)
 
     def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
@@ -355,6 +370,7 @@ class Router:
             node.reachable = False  # not chosen again until it is heard from
             return False
         request.node = node
+        request.state = "dispatched"
         request.frames = None  # the node has the program and its attached blobs now
         node.requests[request.id] = request
         node.dispatched += 1
@@ -378,8 +394,17 @@ class Router:
         else:
             self.queue.remove(request)
         self.counters["finished"] += 1
+        self._count_finished(request, message)
         self.shell.send(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
+
+    def _count_finished(self, request: RouterRequest, message: list[Any]) -> None:
+        try:
+            body = message[2]
+            final = protocol.unpack_map(body.buffer if isinstance(body, zmq.Frame) else body)
+        except (IndexError, protocol.WireError):
+            final = {"ok": False, "error": {"kind": "engine"}}
+        self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
         log.info("request_failed", request_id=request.id, kind=kind, reason=text)
@@ -435,6 +460,19 @@ class Router:
 
     # --- status ---
 
+    def _program_rows(self, now: float) -> list[dict[str, Any]]:
+        return [
+            {
+                "request_id": r.id,
+                "client": r.client.decode(errors="replace"),
+                "state": r.state,
+                "age_s": round(now - r.received_at, 3),
+                "gpu_ids": list(r.gpu_ids),
+                "node": r.node.node_id if r.node is not None else None,
+            }
+            for r in self.requests
+        ]
+
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
         live = list(self.nodes.values())
@@ -455,6 +493,7 @@ class Router:
                 "queued_at_router": queued,
             },
             "counters": self._counters(),
+            **programs_in_flight(self._program_rows(now)),
             "target": self.target(),
             "versions": self.versions,
             "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],

@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.metrics import MetricsServer, ServiceMetrics
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.service.tasks import TaskSet
 
@@ -130,6 +131,8 @@ class ShellSettings:
     # Set on the client socket before it binds (CurveZMQ keys and ZAP domain, say).
     socket_options: Mapping[int, int | bytes] = field(default_factory=dict)
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
 
 
 class ServiceShell(Generic[RequestT]):
@@ -142,6 +145,7 @@ class ServiceShell(Generic[RequestT]):
         settings: ShellSettings,
         *,
         fail_request: Callable[[RequestT, str, str], None],
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.name = name  # "broker" or "router": in log events and messages
         self.settings = settings
@@ -155,6 +159,9 @@ class ServiceShell(Generic[RequestT]):
         self.refused = 0
         self._fail_request = fail_request
         self._stopped = asyncio.Event()
+        self.metrics = metrics
+        self._metrics_server: MetricsServer | None = None
+        self._dispatching: bytes | None = None  # the command whose handler runs now
 
     # --- lifecycle ---
 
@@ -170,6 +177,9 @@ class ServiceShell(Generic[RequestT]):
         served = False
         try:
             self.bind()
+            if self.metrics is not None and self.settings.metrics_listen:
+                self._metrics_server = MetricsServer(self.metrics, self.settings.metrics_listen)
+                await self._metrics_server.start()
             await start()
             served = True
             await self.run()
@@ -228,6 +238,8 @@ class ServiceShell(Generic[RequestT]):
             message = f"the {self.name} stopped before the program finished"
             self.send(request.client, protocol.final_error(request.id, "engine", message), request.id)
         await self.tasks.cancel_all()
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
 
     def terminate(self) -> None:
         """Close the client socket, any socket the service left open (with its own linger), and
@@ -255,6 +267,7 @@ class ServiceShell(Generic[RequestT]):
 
     def dispatch(self, message: ClientMessage) -> None:
         """Pass ``message`` through the hooks to its handler; a handler that raises answers ``engine``."""
+        self._dispatching = message.command
         try:
             for hook in self.hooks:
                 refusal = hook(message)
@@ -268,6 +281,8 @@ class ServiceShell(Generic[RequestT]):
             handler(message)
         except Exception as exc:
             self.fail_internal(message, exc)
+        finally:
+            self._dispatching = None
 
     def fail_internal(self, message: ClientMessage, exc: Exception) -> None:
         """A bug must not leave a request in limbo with its client waiting: answer it."""
@@ -316,6 +331,8 @@ class ServiceShell(Generic[RequestT]):
     def refuse(self, client: bytes, request_id: str, kind: str, message: str) -> None:
         """Answer a request that was not taken with FINAL ``kind``."""
         self.refused += 1
+        if self.metrics is not None and self._dispatching == protocol.EXECUTE:
+            self.metrics.program_refused(kind)
         log.info("request_refused", request_id=request_id, kind=kind, reason=message)
         self.send(client, protocol.final_error(request_id, kind, message), request_id)
 

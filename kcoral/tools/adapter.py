@@ -288,10 +288,17 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
     except UsageError as exc:
         return usage_error(options.tool, str(exc)), None
     try:
-        with Client(options.url, connect_timeout_seconds=options.connect_timeout_seconds) as client:
-            result = client.execute(
-                program, timeout_seconds=options.timeout_seconds, output_limit_bytes=OUTPUT_LIMIT_BYTES
-            )
+        # The remote output is shown as it comes; a status line on a terminal says what the program
+        # waits for (upload, queue, GPU).
+        with Client(
+            options.url, connect_timeout_seconds=options.connect_timeout_seconds, show_output=True
+        ) as client:
+            try:
+                result = client.execute(
+                    program, timeout_seconds=options.timeout_seconds, output_limit_bytes=OUTPUT_LIMIT_BYTES
+                )
+            finally:
+                shown = client.output_shown
     except ValueError as exc:  # a malformed URL, or none at all
         return usage_error(options.tool, str(exc)), None
     except KCoralError as exc:
@@ -301,7 +308,7 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
         # Leaving the `with` block closed the client, which sent CANCEL for the program in flight.
         _say(options.tool, "interrupted; the program was cancelled on the service")
         return EXIT_INTERRUPTED, None
-    show_output(options.tool, result)
+    show_output(options.tool, result, shown)
     if not result.completed:
         _show_error(options.tool, result)
         return EXIT_PROGRAM_FAILED, None
@@ -320,14 +327,20 @@ def run_steps(options: AdapterOptions, steps: list[dict[str, Any]]) -> int:
     return status
 
 
-def show_output(tool: str, result: ProgramResult) -> None:
-    sys.stdout.write(result.stdout)
+def show_output(tool: str, result: ProgramResult, shown: dict[str, int] | None = None) -> None:
+    """Write the program's output, less what was written live (``shown``: characters per stream)."""
+    shown = shown or {}
+    sys.stdout.write(_rest(result.stdout, shown.get("stdout", 0)))
     sys.stdout.flush()
-    sys.stderr.write(result.stderr)
+    sys.stderr.write(_rest(result.stderr, shown.get("stderr", 0)))
     for stream, cut in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated)):
         if cut:
             _say(tool, f"the remote {stream} was cut at {OUTPUT_LIMIT_BYTES} bytes")
     sys.stderr.flush()
+
+
+def _rest(text: str, shown: int) -> str:
+    return text[shown:] if shown <= len(text) else ""
 
 
 def _show_error(tool: str, result: ProgramResult) -> None:

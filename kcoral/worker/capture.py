@@ -7,11 +7,21 @@ worker's file-size limit), not the worker's memory; only the first ``limit`` byt
 
 from __future__ import annotations
 
+import codecs
 import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from kcoral import protocol
+
+# How often a running program's new output is sent on (a client shows it live). With at most
+# protocol.OUTPUT_PIECE_BYTES per stream each time: 512 KiB/s per worker at most, and never more
+# than the output limit in all.
+FOLLOW_INTERVAL_SECONDS = 0.25
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,72 @@ class OutputCapture:
             return "", False
         truncated = len(data) > self.limit
         return data[: self.limit].decode("utf-8", errors="replace"), truncated
+
+
+class OutputFollower:
+    """While active, a thread sends what the program wrote to stdout and stderr since the last
+    look: ``send(stream, offset, text)``, where ``offset`` counts the characters of that stream sent
+    before. It stops at the capture's limit; the program's result still carries the whole output,
+    so a piece lost on the way costs only its live display."""
+
+    def __init__(self, capture: OutputCapture, send: Callable[[str, int, str], None]) -> None:
+        self.capture = capture
+        self.send = send
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> OutputFollower:
+        self._thread = threading.Thread(target=self._follow, name="kcoral-output", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _follow(self) -> None:
+        streams = [_FollowedFile("stdout", self.capture._paths[0]), _FollowedFile("stderr", self.capture._paths[1])]
+        try:
+            while not self._stop.wait(FOLLOW_INTERVAL_SECONDS):
+                for followed in streams:
+                    piece = followed.next_piece(self.capture.limit)
+                    if piece:
+                        self.send(followed.name, followed.sent_chars, piece)
+                        followed.sent_chars += len(piece)
+        except Exception:  # the live display is a convenience: never let it disturb the program
+            return
+        finally:
+            for followed in streams:
+                followed.close()
+
+
+class _FollowedFile:
+    def __init__(self, name: str, path: Path) -> None:
+        self.name = name
+        self.path = path
+        self.fd: int | None = None
+        self.offset = 0
+        self.sent_chars = 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next_piece(self, limit: int) -> str:
+        if self.fd is None:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return ""
+        size = min(protocol.OUTPUT_PIECE_BYTES, limit - self.offset)
+        if size <= 0:
+            return ""
+        data = os.pread(self.fd, size, self.offset)
+        self.offset += len(data)
+        return self.decoder.decode(data)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _flush_python_streams() -> None:

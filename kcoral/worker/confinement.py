@@ -26,6 +26,12 @@ busy (``benchmarks/confinement.py``, 8 stand-in GPU nodes, load 9 to 17): 10 ms 
 the dozen mount calls of the ``/dev`` rebuild, each waiting for a CPU; a new bubblewrap per
 program instead would cost 45 ms there, and a zygote per GPU set an ``import torch`` per new set.
 
+What is left: a process that a program's own thread starts in the microseconds between the
+zygote's last kill of the retiring worker's descendants and that worker's exit lives until the
+zygote reaps the exit, and meanwhile could reach the next worker's root through ``/proc/PID/root``
+(same user, no capabilities either side). Closing that for good needs a user namespace per worker,
+which bubblewrap's ``--disable-userns`` rules out unless a seccomp filter takes its place.
+
 A worker is confined once: a reused worker (``--max-programs-per-worker`` other than 1) serves only
 programs on the same GPUs, and refuses others (kind ``unavailable``), as a worker with an eager CUDA
 context does.
@@ -54,6 +60,7 @@ __all__ = [
     "confined_to",
     "confinement_ms",
     "dev_entries_kept",
+    "prepare",
     "visible_devices",
 ]
 
@@ -78,11 +85,15 @@ CAPABILITY_FIELDS: Final = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
 DEV_TMPFS_OPTIONS: Final = "mode=0755,size=64k,nr_inodes=256"
 MASK_TMPFS_OPTIONS: Final = "mode=0500,size=4k,nr_inodes=4"
 
+_LIBC: Final = ctypes.CDLL(None, use_errno=True)
+
 # Per process: the GPU index -> device node map this worker's zygote was given (None: no sandbox)
 # and the GPUs it is confined to once it is.
 _nodes: dict[int, str] | None = None
 _confined: tuple[int, ...] | None = None
 _took_ms: float | None = None  # how long the confinement took (the result's worker map reports it)
+_prepared: tuple[int, ...] | None = None  # the GPUs whose /dev prepare() built while idle
+_original_dev: int | None = None  # O_PATH descriptor of the sandbox's /dev, until confined
 
 
 class ConfinementError(RuntimeError):
@@ -102,9 +113,9 @@ def configure(nodes: Mapping[int, str] | None) -> None:
 
     ``None`` means no sandbox: :func:`confine` then does nothing.
     """
-    global _nodes, _confined
+    global _nodes, _confined, _prepared
     _nodes = None if nodes is None else {int(k): str(v) for k, v in nodes.items()}
-    _confined = None
+    _confined = _prepared = None
 
 
 def confined_to() -> tuple[int, ...] | None:
@@ -146,13 +157,35 @@ def dev_entries_kept(entries: Iterable[DevEntry], nodes: Mapping[int, str], gpu_
     return [e for e in entries if not GPU_NODE.fullmatch(e.name) or e.name in leased]
 
 
+def prepare(gpu_ids: Iterable[int]) -> None:
+    """While idle (after READY), do the slow part of :func:`confine` for the likeliest GPUs.
+
+    The worker enters its own mount namespace and builds the ``/dev`` of ``gpu_ids`` (its slot's
+    GPU: the broker prefers it), but keeps its capabilities, so that :func:`confine` can still
+    build another ``/dev`` when the program brings other GPUs. A failure is left for
+    :func:`confine` to meet again and report.
+    """
+    global _prepared
+    wanted = tuple(sorted(gpu_ids))
+    if _nodes is None or _confined is not None or _prepared is not None:
+        return
+    if any(g not in _nodes for g in wanted):
+        return
+    try:
+        _enter_namespace()
+        _build_dev(wanted)
+    except OSError:
+        return
+    _prepared = wanted
+
+
 def confine(gpu_ids: Iterable[int]) -> str | None:
     """Confine this worker to ``gpu_ids`` (see the module's docstring); say why a program cannot run.
 
     Returns None when the program may run: confined now, confined to these GPUs already, or not
     sandboxed at all. Returns the reason otherwise (the worker is then unusable and retires).
     """
-    global _confined, _took_ms
+    global _confined, _took_ms, _original_dev
     wanted = tuple(sorted(gpu_ids))
     start = time.perf_counter()
     if _nodes is None:
@@ -169,10 +202,17 @@ def confine(gpu_ids: Iterable[int]) -> str | None:
         drop_capabilities_quietly()
         return f"the sandbox has no device node for GPU(s) {unknown}"
     try:
-        _enter_namespace(wanted)
+        _enter_namespace()
+        if _prepared != wanted:
+            _build_dev(wanted)  # over the prepared one, if any: the original stays reachable by fd
+        _mask_other_processes()
     except OSError as exc:
         drop_capabilities_quietly()
         return f"the worker could not confine itself to GPU(s) {list(wanted)}: {exc}"
+    finally:
+        if _original_dev is not None:
+            os.close(_original_dev)
+            _original_dev = None
     try:
         drop_capabilities()
     except (OSError, ConfinementError) as exc:
@@ -182,32 +222,35 @@ def confine(gpu_ids: Iterable[int]) -> str | None:
     return None
 
 
-def _enter_namespace(gpu_ids: tuple[int, ...]) -> None:
-    assert _nodes is not None
-    libc = _libc()
-    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+def _enter_namespace() -> None:
+    """A mount namespace of our own (once), all private, and a handle on the sandbox's ``/dev``."""
+    global _original_dev
+    if _original_dev is not None:
+        return
+    _check(_LIBC.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     # Opened after the unshare: a bind's source must be a mount of our own namespace.
-    old_dev = os.open(DEV, os.O_PATH | os.O_DIRECTORY)
-    try:
-        via = f"/proc/self/fd/{old_dev}"
-        entries = [_dev_entry(via, name) for name in sorted(os.listdir(via))]
-        kept = dev_entries_kept(entries, _nodes, gpu_ids)
-        _mount("tmpfs", str(DEV), "tmpfs", MS_NOSUID | MS_NOEXEC, DEV_TMPFS_OPTIONS)
-        for entry in kept:
-            source, target = f"{via}/{entry.name}", DEV / entry.name
-            if entry.kind == "symlink":
-                os.symlink(os.readlink(source), target)
-                continue
-            if entry.kind == "dir":
-                target.mkdir()
-            else:
-                os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o600))
-            _mount(source, str(target), None, MS_BIND | MS_REC)
-    finally:
-        os.close(old_dev)
+    _original_dev = os.open(DEV, os.O_PATH | os.O_DIRECTORY)
+
+
+def _build_dev(gpu_ids: tuple[int, ...]) -> None:
+    """A fresh read-only ``/dev``: the sandbox's entries, bound back, but other GPUs' nodes."""
+    assert _nodes is not None and _original_dev is not None
+    via = f"/proc/self/fd/{_original_dev}"
+    entries = [_dev_entry(via, name) for name in sorted(os.listdir(via))]
+    kept = dev_entries_kept(entries, _nodes, gpu_ids)
+    _mount("tmpfs", str(DEV), "tmpfs", MS_NOSUID | MS_NOEXEC, DEV_TMPFS_OPTIONS)
+    for entry in kept:
+        source, target = f"{via}/{entry.name}", DEV / entry.name
+        if entry.kind == "symlink":
+            os.symlink(os.readlink(source), target)
+            continue
+        if entry.kind == "dir":
+            target.mkdir()
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o600))
+        _mount(source, str(target), None, MS_BIND | MS_REC)
     _mount(None, str(DEV), None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
-    _mask_other_processes()
 
 
 def _dev_entry(directory: str, name: str) -> DevEntry:
@@ -244,7 +287,7 @@ def _mask_other_processes() -> None:
 
 def drop_capabilities() -> None:
     """Give up every capability for good, then check that none is left (ConfinementError if one is)."""
-    libc = _libc()
+    libc = _LIBC
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
     _check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "PR_CAP_AMBIENT_CLEAR_ALL")
     last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
@@ -290,10 +333,6 @@ def _capset_zero(libc: ctypes.CDLL) -> None:
     _check(libc.capset(ctypes.byref(header), data), "capset")
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def _check(result: int, what: str) -> None:
     if result != 0:
         errno = ctypes.get_errno()
@@ -301,7 +340,7 @@ def _check(result: int, what: str) -> None:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    libc = _libc()
+    libc = _LIBC
     result = libc.mount(
         None if source is None else source.encode(),
         target.encode(),

@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import sys
+import threading
 import time
 import traceback
 import types
@@ -66,11 +67,19 @@ class LeaseTimes:
 class LeaseChannel:
     """The worker's side of GPU leases: ask the broker, wait for the grant, release."""
 
-    def __init__(self, socket: zmq.Socket[bytes] | None, request_id: str, gpu_ids: list[int]) -> None:
+    def __init__(
+        self,
+        socket: zmq.Socket[bytes] | None,
+        request_id: str,
+        gpu_ids: list[int],
+        lock: threading.Lock | None = None,
+    ) -> None:
         self.socket = socket
         self.request_id = request_id
         self.gpu_ids = gpu_ids
         self.times = LeaseTimes()
+        # Held around every use of the socket: the output follower's thread sends on it too.
+        self.lock = lock or threading.Lock()
 
     def needed(self) -> bool:
         return self.socket is not None and bool(self.gpu_ids)
@@ -78,13 +87,14 @@ class LeaseChannel:
     def acquire(self) -> float:
         assert self.socket is not None
         start = time.monotonic()
-        self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
-        while True:
-            command, body, _ = protocol.split_message(self.socket.recv_multipart())
-            if command == protocol.GRANT and body.get("request_id") == self.request_id:
-                break
-            if command == protocol.DISCONNECT:
-                os._exit(0)
+        with self.lock:
+            self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
+            while True:
+                command, body, _ = protocol.split_message(self.socket.recv_multipart())
+                if command == protocol.GRANT and body.get("request_id") == self.request_id:
+                    break
+                if command == protocol.DISCONNECT:
+                    os._exit(0)
         granted = time.monotonic()
         self.times.wait_ms += (granted - start) * 1000
         return granted
@@ -92,7 +102,8 @@ class LeaseChannel:
     def release(self, granted: float) -> None:
         assert self.socket is not None
         self.times.held_ms += (time.monotonic() - granted) * 1000
-        self.socket.send_multipart(protocol.message(protocol.RELEASE, {"request_id": self.request_id}))
+        with self.lock:
+            self.socket.send_multipart(protocol.message(protocol.RELEASE, {"request_id": self.request_id}))
 
 
 @dataclass

@@ -8,6 +8,7 @@ context after the fork, says READY, executes one program (or more with
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -24,7 +25,7 @@ import zmq
 from kcoral import protocol
 from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, processes
-from kcoral.worker.capture import OutputCapture
+from kcoral.worker.capture import OutputCapture, OutputFollower
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
@@ -62,6 +63,8 @@ def execute_program(
     progress: Callable[[int], None] = lambda index: None,
     *,
     last: bool = False,
+    follow_output: Callable[[str, int, str], None] | None = None,
+    socket_lock: threading.Lock | None = None,
 ) -> ExecutionOutcome:
     """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
 
@@ -81,9 +84,11 @@ def execute_program(
     output_limit = int(options.get("output_limit_bytes", protocol.DEFAULT_OUTPUT_LIMIT_BYTES))
     run_dir = workspace / f"run-{request_id}"
     saved = None if last else ProcessState.capture()
-    interpreter = Interpreter(request, blobs, run_dir, LeaseChannel(socket, request_id, gpu_ids), progress)
+    lease = LeaseChannel(socket, request_id, gpu_ids, socket_lock)
+    interpreter = Interpreter(request, blobs, run_dir, lease, progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
     capture = OutputCapture(run_dir / "output", output_limit)
+    follower = OutputFollower(capture, follow_output) if follow_output is not None else contextlib.nullcontext()
     threads_before = set(threading.enumerate())
     start = time.monotonic()
     try:
@@ -104,12 +109,15 @@ def execute_program(
         sys.path.insert(0, str(run_dir / "work"))
         if refusal is None and confinement.confined_to() is None:
             refusal = cuda_view_mismatch(gpu_ids)
-        if gpu_ids and refusal is None:
-            # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
-            # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
-            arm_timer()
-        with capture:
-            error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
+        # The output follower's thread starts before the timer is armed: benchmark() counts the
+        # threads started after arming as the program's, and this one is the worker's own.
+        with follower:
+            if gpu_ids and refusal is None:
+                # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
+                # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
+                arm_timer()
+            with capture:
+                error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
         leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
         output = capture.read()
@@ -171,6 +179,9 @@ def run_worker(settings: WorkerSettings) -> int:
         protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
     )
     ready_at = time.time()
+    if settings.gpu is not None:
+        # While no program is here yet: the broker gives a program the slot's own GPU first.
+        confinement.prepare((settings.gpu,))
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
@@ -289,11 +300,28 @@ def _execute_message(
             _map_blob(paths[digest])  # unreadable: fail now, as a program the worker cannot read
         blobs = ProgramBlobs(frames, paths)
 
+        lock = threading.Lock()  # the output follower's thread shares the socket
+
         def progress(index: int) -> None:
             processes.note_progress(index)  # survives the worker, unlike a message still queued
-            socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
+            with lock:
+                socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
 
-        outcome = execute_program(body, blobs, settings.workspace, socket, progress, last=settings.max_programs == 1)
+        def output(stream: str, offset: int, text: str) -> None:
+            body = {"request_id": request_id, "stream": stream, "offset": offset, "text": text}
+            with lock:
+                socket.send_multipart(protocol.message(protocol.PROGRESS, body))
+
+        outcome = execute_program(
+            body,
+            blobs,
+            settings.workspace,
+            socket,
+            progress,
+            last=settings.max_programs == 1,
+            follow_output=output,
+            socket_lock=lock,
+        )
         error = outcome.body.get("error")
         if isinstance(error, dict) and error.get("kind") == "response_too_large":
             # The broker refuses the whole response: do not send it the part that fitted.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ PROGRAM_TIMEOUT_S = 180
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TURN_SECONDS = 2.0  # how long each program of the lease tests holds its GPUs
 SLACK_MS = 600.0  # scheduling and CUDA start-up around a TURN_SECONDS hold, at most
+IDLE_WAIT_S = 30.0  # for the slots' fresh workers to be READY between tests
 
 # The seed's uploaded module, unchanged.
 SEED_SOURCE = """
@@ -166,7 +168,26 @@ def _seed() -> Program:
     return program
 
 
-async def _together(url: str, jobs: list[tuple[Program, int]]) -> list[ProgramResult]:
+def _all_idle(url: str) -> None:
+    """Wait until every slot has a READY worker: which GPUs programs submitted together land on
+    depends on which slots are idle (the broker takes the least loaded GPU's idle worker)."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    with Client(url) as client:
+        while True:
+            workers = client.health()["workers"]
+            if workers["idle"] >= workers["slots"]:
+                return
+            assert time.monotonic() < deadline, f"slots not all idle after {IDLE_WAIT_S} s: {workers}"
+            time.sleep(0.05)
+
+
+def _together(url: str, jobs: list[tuple[Program, int]]) -> list[ProgramResult]:
+    """Submit ``(program, gpu_count)`` jobs at once, once every slot is idle; their results in order."""
+    _all_idle(url)
+    return asyncio.run(_gather(url, jobs))
+
+
+async def _gather(url: str, jobs: list[tuple[Program, int]]) -> list[ProgramResult]:
     async with AsyncClient(url) as client:
         return list(
             await asyncio.gather(*(client.execute(p, gpu_count=n, timeout_seconds=PROGRAM_TIMEOUT_S) for p, n in jobs))
@@ -191,7 +212,7 @@ def _names_the_leased_gpus(result: ProgramResult, gpus: list[dict[str, Any]]) ->
 def test_seed_example_runs_on_each_gpu(broker: RunningBroker, gpus: list[dict[str, Any]]) -> None:
     covered: set[int] = set()
     for _ in range(3):  # two at once land on two GPUs; a third round at most, should they not
-        for result in asyncio.run(_together(broker.url, [(_seed(), 1) for _ in gpus])):
+        for result in _together(broker.url, [(_seed(), 1) for _ in gpus]):
             assert result.completed, (result.error, result.stderr[-2000:])
             assert result.results["report"]["correct"] is True
             assert result.results["report"]["timing"]["latency_ms_median"] > 0
@@ -204,7 +225,7 @@ def test_seed_example_runs_on_each_gpu(broker: RunningBroker, gpus: list[dict[st
 
 def test_each_program_sees_exactly_the_gpus_it_leased(broker: RunningBroker, gpus: list[dict[str, Any]]) -> None:
     jobs = [(_program(SEEN_SOURCE, "seen", [None, []]), n) for n in (1, 1, 2)]
-    results = asyncio.run(_together(broker.url, jobs))
+    results = _together(broker.url, jobs)
     for result in results:
         assert result.completed, (result.error, result.stderr[-2000:])
         _names_the_leased_gpus(result, gpus)
@@ -213,7 +234,7 @@ def test_each_program_sees_exactly_the_gpus_it_leased(broker: RunningBroker, gpu
 
 def test_two_gpu_nccl_all_reduce_returns_the_sum_on_each(broker: RunningBroker) -> None:
     n = 1 << 20
-    (result,) = asyncio.run(_together(broker.url, [(_program(ALL_REDUCE_SOURCE, "all_reduce", [n]), 2)]))
+    (result,) = _together(broker.url, [(_program(ALL_REDUCE_SOURCE, "all_reduce", [n]), 2)])
     assert result.completed, (result.error, result.stderr[-2000:])
     value = result.results["value"]
     assert result.gpu_ids == [0, 1]
@@ -224,7 +245,7 @@ def test_two_gpu_nccl_all_reduce_returns_the_sum_on_each(broker: RunningBroker) 
 
 def test_three_one_gpu_programs_two_at_once_the_third_waits(broker: RunningBroker) -> None:
     jobs = [(_program(HOLD_SOURCE, "hold", [TURN_SECONDS]), 1) for _ in range(3)]
-    results = asyncio.run(_together(broker.url, jobs))
+    results = _together(broker.url, jobs)
     for result in results:
         assert result.completed, (result.error, result.stderr[-2000:])
         assert result.results["value"]["devices"] == 1
@@ -241,7 +262,7 @@ def test_three_one_gpu_programs_two_at_once_the_third_waits(broker: RunningBroke
 
 def test_a_two_gpu_program_and_two_one_gpu_programs_are_all_or_nothing(broker: RunningBroker) -> None:
     jobs = [(_program(HOLD_SOURCE, "hold", [TURN_SECONDS]), n) for n in (2, 1, 1)]
-    pair, one, other = asyncio.run(_together(broker.url, jobs))
+    pair, one, other = _together(broker.url, jobs)
     for result in (pair, one, other):
         assert result.completed, (result.error, result.stderr[-2000:])
     assert pair.gpu_ids == [0, 1] and pair.results["value"]["devices"] == 2
@@ -266,7 +287,7 @@ def test_a_program_reaching_for_a_gpu_it_did_not_lease_gets_none(
         (_program(SEEN_SOURCE, "seen", [",".join(str(i) for i in range(len(gpus))), nodes]), 1),
         (_program(SEEN_SOURCE, "seen", [str(len(gpus) - 1), nodes]), 1),
     ]
-    for result in asyncio.run(_together(broker.url, jobs)):
+    for result in _together(broker.url, jobs):
         assert result.completed, (result.error, result.stderr[-2000:])
         value = result.results["value"]
         (leased,) = result.gpu_ids
