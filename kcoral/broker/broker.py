@@ -72,14 +72,7 @@ class Broker:
         )
         self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
-            "broker",
-            ShellSettings(
-                listen=settings.listen,
-                max_message_bytes=settings.max_request_bytes,
-                metrics_listen=settings.metrics_listen,
-            ),
-            fail_request=self._finish_error,
-            metrics=self.metrics,
+            "broker", ShellSettings.for_service(settings), fail_request=self._finish_error, metrics=self.metrics
         )
         self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()

@@ -105,14 +105,7 @@ class Router:
         self.started_at = time.time()
         self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
-            "router",
-            ShellSettings(
-                listen=settings.listen,
-                max_message_bytes=settings.max_request_bytes,
-                metrics_listen=settings.metrics_listen,
-            ),
-            fail_request=self._finish_error,
-            metrics=self.metrics,
+            "router", ShellSettings.for_service(settings), fail_request=self._finish_error, metrics=self.metrics
         )
         self.shell.handlers.update(
             {

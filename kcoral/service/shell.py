@@ -121,6 +121,19 @@ class InFlightTable(Generic[RequestT]):
         return {request.client for request in self._by_id.values()}
 
 
+class ServiceSettings(Protocol):
+    """What a service's settings (BrokerSettings, RouterSettings) tell its shell."""
+
+    @property
+    def listen(self) -> str: ...
+
+    @property
+    def max_request_bytes(self) -> int: ...
+
+    @property
+    def metrics_listen(self) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class ShellSettings:
     """Where and how the client socket listens."""
@@ -133,6 +146,15 @@ class ShellSettings:
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
+
+    @classmethod
+    def for_service(cls, settings: ServiceSettings) -> ShellSettings:
+        """The shell's part of a broker's or a router's settings."""
+        return cls(
+            listen=settings.listen,
+            max_message_bytes=settings.max_request_bytes,
+            metrics_listen=settings.metrics_listen,
+        )
 
 
 class ServiceShell(Generic[RequestT]):
