@@ -15,18 +15,24 @@ from typing import Any
 import numpy as np
 
 from kcoral import Program
+from kcoral.keys import ClientKeys
 from kcoral.testing import LaunchOptions, running_broker, start_router, wait_ready
 from kcoral.testing import free_port as free_port
 
 
 @contextlib.contextmanager
-def broker(*flags: str, checkout: Path | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def broker(
+    *flags: str, checkout: Path | None = None, keys: ClientKeys | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``kcoral broker`` on a free loopback port, every slot ready; stop it (SIGTERM) afterwards.
 
     ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions.
+    ``keys``: how to reach a broker whose ``flags`` give it CurveZMQ.
     """
     work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
     launch: LaunchOptions = {"log_level": "warning", "timeout_seconds": 120}
+    if keys is not None:
+        launch.update(client_options={"keys": keys})
     if checkout is not None:
         launch.update(cwd=checkout, env={"PYTHONPATH": str(checkout)})
     # A sandboxed broker on a loaded machine can take a minute and more to fork all its zygotes.

@@ -801,7 +801,8 @@ def custom_kernel(a, b):
         "stale_when_timed",
         "telling timed calls from untimed",
         "remote",
-        """
+        TOUCH
+        + """
 import sys
 
 import torch
@@ -821,6 +822,38 @@ def _timed():
 def custom_kernel(a, b):
     global _last
     if _timed() and _last is not None:
+        _touch()
+        return _last
+    _last = torch.mm(a, b)
+    return _last
+""",
+    ),
+    Attack(
+        "stale_when_timed_local",
+        "telling timed calls from untimed",
+        "benchmark",
+        TOUCH
+        + """
+import sys
+
+import torch
+
+_last = None
+
+
+def _timed():
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "timed_calls":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def custom_kernel(a, b):
+    global _last
+    if _timed() and _last is not None:
+        _touch()
         return _last
     _last = torch.mm(a, b)
     return _last

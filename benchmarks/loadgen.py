@@ -587,11 +587,19 @@ async def probe_benchmark(url: str, kinds: list[Kind]) -> list[Kind]:
     return rest
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring as written (its table of kinds), and each flag's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="See the module docstring (benchmarks/loadgen.py) for the kinds of the mix.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python3 benchmarks/loadgen.py", description=__doc__, formatter_class=_HelpFormatter
     )
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--url", help="drive this broker or router (default: start a broker here)")
@@ -600,7 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router", default="", help="flags of the router started here (with --router-nodes)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients, one connection each")
     parser.add_argument("--rate", type=float, default=None, help="open loop: programs per second in all")
-    parser.add_argument("--duration", type=float, default=None, help="seconds of submissions (default 30)")
+    parser.add_argument(
+        "--duration", type=float, default=None, help="seconds of submissions (default: 30, unless --count)"
+    )
     parser.add_argument("--count", type=int, default=None, help="programs to submit in all")
     parser.add_argument("--mix", default=DEFAULT_MIX, help="KIND[:PARAM][=WEIGHT],...")
     parser.add_argument(

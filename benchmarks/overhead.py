@@ -1,10 +1,15 @@
 """End-to-end overhead of the service: a program returning a constant, against a bare zmq round trip.
 
     python benchmarks/overhead.py [--requests 300] [--in-flight 8] [--json out.json] [--plot out.png]
+    python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
 constant program in a loop, (3) the same with a module upload and a function call, (4) programs per
 second with 8 in flight through one AsyncClient. Every program runs in a fresh worker process.
+
+``--curve-cost`` instead measures what CurveZMQ costs: two brokers, one without keys and one with
+``--curve-secret-key`` (keys made for the run), the constant program's p50 and the rate with 8 in
+flight on each, alternating between them round by round so that both see the same machine.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,6 +40,7 @@ from benchmarks.common import (
     save_json,
 )
 from kcoral import AsyncClient, Client
+from kcoral.keys import ClientKeys, generate_keypair
 
 
 def zmq_round_trips(count: int) -> list[float]:
@@ -70,10 +78,12 @@ def zmq_round_trips(count: int) -> list[float]:
     return samples
 
 
-def sequential(url: str, count: int, program_factory: object, label: str) -> list[float]:
+def sequential(
+    url: str, count: int, program_factory: object, label: str, keys: ClientKeys | None = None
+) -> list[float]:
     samples = []
     program = program_factory()  # type: ignore[operator]
-    with Client(url) as client:
+    with Client(url, keys=keys) as client:
         for _ in range(5):
             client.execute(program)
         for i in range(count):
@@ -85,11 +95,11 @@ def sequential(url: str, count: int, program_factory: object, label: str) -> lis
     return samples
 
 
-async def in_flight(url: str, count: int, width: int) -> tuple[float, list[float]]:
+async def in_flight(url: str, count: int, width: int, keys: ClientKeys | None = None) -> tuple[float, list[float]]:
     program = constant_program()
     latencies: list[float] = []
     done = 0
-    async with AsyncClient(url) as client:
+    async with AsyncClient(url, keys=keys) as client:
         semaphore = asyncio.Semaphore(width)
 
         async def one() -> None:
@@ -115,7 +125,11 @@ def main() -> int:
     parser.add_argument("--broker-flags", default="--workers 4 --sandbox none", help="flags for kcoral broker (quoted)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG with the latency CDFs")
+    parser.add_argument("--curve-cost", action="store_true", help="compare brokers with and without CurveZMQ")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per broker with --curve-cost")
     args = parser.parse_args()
+    if args.curve_cost:
+        return curve_cost(args)
 
     zmq_samples = zmq_round_trips(args.requests * 10)
     with broker(*args.broker_flags.split()) as (url, _):
@@ -151,6 +165,44 @@ def main() -> int:
         },
         "KCoral end-to-end latency",
     )
+    return 0
+
+
+def curve_cost(args: argparse.Namespace) -> int:
+    """The constant program's p50 and the rate with N in flight, without and with CurveZMQ."""
+    with tempfile.TemporaryDirectory(prefix="kcoral-bench-keys-") as folder:
+        keys_dir = Path(folder)
+        generate_keypair(keys_dir / "server", "server")
+        generate_keypair(keys_dir / "clients", "bench")
+        keys = ClientKeys.from_files(keys_dir / "server" / "server.key", keys_dir / "clients" / "bench.key_secret")
+        curve_flags = [
+            "--curve-secret-key",
+            str(keys_dir / "server" / "server.key_secret"),
+            "--authorized-keys",
+            str(keys_dir / "clients"),
+        ]
+        flags = args.broker_flags.split()
+        samples: dict[str, list[float]] = {"plain": [], "curve": []}
+        rates: dict[str, list[float]] = {"plain": [], "curve": []}
+        per_round = max(1, args.requests // args.rounds)
+        with broker(*flags) as (plain_url, _), broker(*flags, *curve_flags, keys=keys) as (curve_url, _):
+            for _ in range(args.rounds):
+                for name, url, key in (("plain", plain_url, None), ("curve", curve_url, keys)):
+                    samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key)
+                    rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key))
+                    rates[name].append(rate)
+    rows = []
+    for name in ("plain", "curve"):
+        stats = percentiles(samples[name])
+        rows.append([name, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], float(np.median(rates[name]))])
+    print_table(
+        f"CurveZMQ cost ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
+        ["broker", "n", "constant p50 ms", "p99 ms", f"programs/s, {args.in_flight} in flight (median)"],
+        rows,
+    )
+    p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
+    print(f"\ncurve / plain: p50 {p50_ratio:.3f}x, {args.in_flight} in flight {rate_ratio:.3f}x")
+    save_json(args.json, {"rows": rows, "rates": rates, "machine": machine()})
     return 0
 
 

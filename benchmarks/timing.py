@@ -561,6 +561,8 @@ def in_process(args: argparse.Namespace) -> int:
             row["ncu"] = ncu_median(name, args.ncu_iters, ncu, workdir)
         log(f"{name}: {json.dumps(row, default=str)}")
         rows[name] = row
+        if args.json:  # after each workload, so a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "workloads": rows}, default=str))
 
     if args.runs > 0:
         for name, values in repeat_runs(args.workloads, args.runs).items():
@@ -644,7 +646,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(row["cost"] < DEFENCES_COST_LIMIT for row in results.values()) else 1
     if args.via_service:
         summary = via_service(args.via_service, args.workloads, max(1, args.runs), args.churn)
-        ncu_rows = json.loads(args.ncu_json.read_text()).get("workloads") if args.ncu_json else None
+        ncu_rows = None
+        if args.ncu_json is not None and args.ncu_json.is_file():
+            ncu_rows = json.loads(args.ncu_json.read_text()).get("workloads")
+        elif args.ncu_json is not None:
+            log(f"{args.ncu_json} is missing: no comparison with ncu")
         judge_service(summary, ncu_rows)
         print_service_table(summary)
         if args.json:

@@ -272,7 +272,55 @@ def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
+    """CurveZMQ and fair share, the same for broker and router (kcoral/service/)."""
+    parser.add_argument(
+        "--curve-secret-key",
+        type=_existing_path,
+        default=None,
+        metavar="FILE",
+        help="this service's secret key file (kcoral keys generate): CurveZMQ on its TCP endpoints",
+    )
+    parser.add_argument(
+        "--authorized-keys",
+        type=_existing_path,
+        default=None,
+        metavar="DIR",
+        help="a directory of the clients' public key files (*.key); only those clients may connect",
+    )
+    if nodes:
+        parser.add_argument(
+            "--authorized-node-keys",
+            type=_existing_path,
+            default=None,
+            metavar="DIR",
+            help="a directory of the host brokers' public key files; only those may register as nodes",
+        )
+    parser.add_argument(
+        "--insecure-listen-any",
+        action="store_true",
+        help="without keys, listen beyond loopback anyway (anyone who reaches the port may use it)",
+    )
+    parser.add_argument(
+        "--max-queued-per-client",
+        type=_positive,
+        default=None,
+        help="programs one client (one key, or one connection without keys) may have waiting "
+        "(default: a quarter of --max-queued)",
+    )
+    parser.add_argument(
+        "--orphan-grace",
+        type=_positive_seconds,
+        default=None,
+        help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kcoral.tools import add_adapter_parsers
+    from kcoral.tools.adapter import add_key_arguments
+
+    key_defaults = (os.environ.get("KCORAL_SERVER_KEY"), os.environ.get("KCORAL_CLIENT_KEY"))
     parser = _Parser(prog="kcoral", description="KCoral: a GPU evaluation service.")
     parser.add_argument("--version", action="version", version=f"kcoral {__version__}")
     _add_logging_flags(parser, top=True)
@@ -375,6 +423,33 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--node-id", type=_node_id, default=None, help="this host's name at the router (default: HOSTNAME:PORT)"
     )
+    broker.add_argument(
+        "--upstream-server-key",
+        type=_existing_path,
+        default=None,
+        metavar="FILE",
+        help="the router's public key file: CurveZMQ on the link to --upstream",
+    )
+    broker.add_argument(
+        "--upstream-key",
+        type=_existing_path,
+        default=None,
+        metavar="FILE",
+        help="this node's secret key file for the link (default: --curve-secret-key)",
+    )
+    _add_access_arguments(broker)
+    broker.add_argument(
+        "--max-upload-bytes",
+        type=_size,
+        default=None,
+        help="bytes of uploads in progress, all clients together (default: twice --max-request-bytes)",
+    )
+    broker.add_argument(
+        "--max-upload-bytes-per-client",
+        type=_size,
+        default=None,
+        help="bytes of uploads in progress per client (default: --max-request-bytes)",
+    )
 
     router = sub.add_parser(
         "router", help="one endpoint for the brokers of many GPU hosts", formatter_class=_HelpFormatter
@@ -397,6 +472,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=protocol.DEFAULT_MAX_REQUEST_BYTES,
         help="declared sizes and blob bytes of one program",
     )
+    _add_access_arguments(router, nodes=True)
+
+    keys = sub.add_parser("keys", help="CurveZMQ key pairs for services, clients and nodes")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
+    generate.add_argument("directory", type=_absolute_path, metavar="DIR")
+    generate.add_argument("--name", default="kcoral", help="the files' base name (default: kcoral)")
 
     for service in (broker, router):
         service.add_argument(
@@ -421,11 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--count", type=_positive, default=None, metavar="N", help="stop after N pages (implies --watch)"
     )
-
-    from kcoral.tools import add_adapter_parsers
+    add_key_arguments(status, key_defaults)
 
     # The seed's adapters: python, ncu, sanitizer, iket, remote (their flags live in kcoral/tools).
-    add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"))
+    add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"), default_keys=key_defaults)
     for subcommand in sub.choices.values():
         _add_logging_flags(subcommand, top=False)
     for service in (broker, router):
@@ -469,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         return _router(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "keys":
+        return _keys(args)
     if getattr(args, "adapter", None) is not None:
         return int(args.adapter(args))
     return EXIT_USAGE
@@ -488,12 +571,74 @@ def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
     return max(MIN_DEFAULT_MEMORY_BYTES, int(ram * DEFAULT_MEMORY_SHARE / max(1, slots)))
 
 
+def _server_security(args: argparse.Namespace, *, nodes: bool = False) -> Any:
+    """The service's ServerSecurity from its flags, or None without --curve-secret-key; KeyFileError
+    when they do not fit together."""
+    from kcoral.keys import KeyFileError
+    from kcoral.service.auth import CLIENTS_DOMAIN, NODES_DOMAIN, ServerSecurity
+
+    if args.curve_secret_key is None:
+        if args.authorized_keys is not None or getattr(args, "authorized_node_keys", None) is not None:
+            raise KeyFileError("--authorized-keys needs --curve-secret-key (the service's own key pair)")
+        return None
+    if args.authorized_keys is None:
+        raise KeyFileError("--curve-secret-key needs --authorized-keys DIR (the clients' public keys)")
+    directories = {CLIENTS_DOMAIN: args.authorized_keys}
+    if nodes:
+        if args.authorized_node_keys is None:
+            raise KeyFileError(
+                "a router with --curve-secret-key needs --authorized-node-keys DIR: the host brokers "
+                "that may register (a client must not be able to pose as a node)"
+            )
+        directories[NODES_DOMAIN] = args.authorized_node_keys
+    return ServerSecurity.from_files(args.curve_secret_key, directories)
+
+
+def _upstream_keys(args: argparse.Namespace) -> Any:
+    from kcoral.keys import ClientKeys, KeyFileError
+
+    if args.upstream_server_key is None:
+        if args.upstream_key is not None:
+            raise KeyFileError("--upstream-key needs --upstream-server-key (the router's public key)")
+        return None
+    own = args.upstream_key or args.curve_secret_key
+    if own is None:
+        raise KeyFileError("--upstream-server-key needs this node's key pair: --upstream-key or --curve-secret-key")
+    return ClientKeys.from_files(args.upstream_server_key, own)
+
+
+def _access_refusal(service: str, check: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``check()``, or one line and EXIT_CONFIG for keys that do not fit or a listen beyond
+    loopback without them."""
+    from kcoral.keys import KeyFileError
+    from kcoral.service.auth import ListenRefused
+
+    try:
+        return check(), None
+    except (KeyFileError, ListenRefused) as exc:
+        structlog.get_logger("kcoral.cli").error(f"{service}_cannot_start", error=str(exc))
+        return None, EXIT_CONFIG
+
+
 def _broker(args: argparse.Namespace) -> int:
     from kcoral.broker.broker import NEGOTIATION_TIMEOUT_SECONDS, Broker, BrokerSettings
+    from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
     from kcoral.broker.target import TargetError
     from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
+    from kcoral.service.auth import ListenRefused, check_listen
 
     log = structlog.get_logger("kcoral.cli")
+
+    def access() -> tuple[Any, Any]:
+        security = _server_security(args)
+        # Checked again when the broker binds; here, before a run directory exists.
+        check_listen(args.listen, secured=security is not None, insecure_listen_any=args.insecure_listen_any)
+        return security, _upstream_keys(args)
+
+    keys, failed = _access_refusal("broker", access)
+    if failed is not None:
+        return failed
+    security, upstream_keys = keys
     sandbox = args.sandbox
     if sandbox != "none":
         try:
@@ -534,6 +679,13 @@ def _broker(args: argparse.Namespace) -> int:
         limits={k: v for k, v in limits.items() if v},
         upstream=args.upstream,
         node_id=args.node_id,
+        security=security,
+        insecure_listen_any=args.insecure_listen_any,
+        upstream_keys=upstream_keys,
+        max_queued_per_client=args.max_queued_per_client,
+        orphan_grace_seconds=args.orphan_grace or ORPHAN_GRACE_SECONDS,
+        max_upload_bytes=args.max_upload_bytes,
+        max_upload_bytes_per_client=args.max_upload_bytes_per_client,
         metrics_listen=args.metrics_listen,
     )
     # The CLI makes the temporary run directory, so that it goes away however the broker ends
@@ -541,15 +693,20 @@ def _broker(args: argparse.Namespace) -> int:
     temporary_run_dir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="kcoral-"))
     settings = dataclasses.replace(settings, run_dir=args.run_dir or temporary_run_dir)
     try:
-        return run_service("broker", lambda: Broker(settings), (TargetError, SandboxUnavailable))
+        return run_service("broker", lambda: Broker(settings), (TargetError, SandboxUnavailable, ListenRefused))
     finally:
         if temporary_run_dir is not None:
             shutil.rmtree(temporary_run_dir, ignore_errors=True)
 
 
 def _router(args: argparse.Namespace) -> int:
+    from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
     from kcoral.router.router import NODE_WAIT_SECONDS, Router, RouterSettings
+    from kcoral.service.auth import ListenRefused
 
+    security, failed = _access_refusal("router", lambda: _server_security(args, nodes=True))
+    if failed is not None:
+        return failed
     settings = RouterSettings(
         listen=args.listen,
         nodes_listen=args.nodes_listen,
@@ -557,9 +714,13 @@ def _router(args: argparse.Namespace) -> int:
         queue_timeout_seconds=args.queue_timeout,
         node_wait_seconds=args.node_wait or NODE_WAIT_SECONDS,
         max_request_bytes=args.max_request_bytes,
+        security=security,
+        insecure_listen_any=args.insecure_listen_any,
+        max_queued_per_client=args.max_queued_per_client,
+        orphan_grace_seconds=args.orphan_grace or ORPHAN_GRACE_SECONDS,
         metrics_listen=args.metrics_listen,
     )
-    return run_service("router", lambda: Router(settings))
+    return run_service("router", lambda: Router(settings), (ListenRefused,))
 
 
 def _cannot_listen(service: str, exc: Any) -> int:
@@ -577,16 +738,35 @@ def _cannot_listen(service: str, exc: Any) -> int:
     return EXIT_CONFIG
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from kcoral.keys import KeyFileError, generate_keypair
+
+    try:
+        public, secret = generate_keypair(args.directory, args.name)
+    except (KeyFileError, OSError) as exc:
+        print(f"kcoral keys: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"public key  {public}  (give it to the services, or to clients as --server-key)")
+    print(f"secret key  {secret}  (mode 0600; keep it on this machine)")
+    return EXIT_OK
+
+
 def _status(args: argparse.Namespace) -> int:
     from kcoral import KCoralError
     from kcoral.status import show, watch
+    from kcoral.tools.adapter import UsageError, keys_from_args
 
     url = args.url or os.environ.get("KCORAL_URL") or DEFAULT_BROKER_URL
     try:
+        keys = keys_from_args(args)
+    except UsageError as exc:
+        print(f"kcoral status: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         if args.watch or args.count:
-            watch(url, as_json=args.json, interval=args.interval, count=args.count)
+            watch(url, as_json=args.json, interval=args.interval, count=args.count, keys=keys)
         else:
-            show(url, as_json=args.json)
+            show(url, as_json=args.json, keys=keys)
     except ValueError as exc:  # not a zmq URL (http://...)
         print(f"kcoral status: {exc}", file=sys.stderr)
         return EXIT_USAGE

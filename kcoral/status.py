@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from kcoral.client.client import Client
 from kcoral.errors import KCoralError
+from kcoral.keys import ClientKeys
 from kcoral.units import format_bytes
 
 # ANSI: cursor home, clear the screen.
@@ -209,20 +210,28 @@ def _duration(seconds: Any) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def show(url: str, *, as_json: bool, out: TextIO = sys.stdout) -> None:
+def show(url: str, *, as_json: bool, out: TextIO = sys.stdout, keys: ClientKeys | None = None) -> None:
     """Print the status once; KCoralError when the service cannot be asked."""
-    with Client(url, connect_timeout_seconds=5.0) as client:
+    with Client(url, connect_timeout_seconds=5.0, keys=keys) as client:
         health = client.health()
     out.write(json.dumps(health, indent=2, default=str) + "\n" if as_json else render(health, url))
 
 
-def watch(url: str, *, as_json: bool, interval: float, count: int | None = None, out: TextIO = sys.stdout) -> None:
+def watch(
+    url: str,
+    *,
+    as_json: bool,
+    interval: float,
+    count: int | None = None,
+    out: TextIO = sys.stdout,
+    keys: ClientKeys | None = None,
+) -> None:
     """Redraw the status every ``interval`` seconds (``count`` times, or until Ctrl-C). On a
     terminal the page replaces the last one; otherwise pages follow each other, one JSON object per
     line with ``--json``. A service that stops answering is said so on the page, and asked again."""
     tty = out.isatty()
     shown = 0
-    with Client(url, connect_timeout_seconds=5.0) as client:
+    with Client(url, connect_timeout_seconds=5.0, keys=keys) as client:
         while count is None or shown < count:
             started = time.monotonic()
             try:

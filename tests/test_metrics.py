@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -200,3 +201,17 @@ def test_the_router_counts_programs_and_nodes(router_factory: Any, broker_factor
     page = status(router.url, "--count", "1").stdout
     assert "nodes     2 live of 2" in page
     assert {line.split()[0] for line in page.splitlines() if line.startswith("  ") and " live " in line} == {"a", "b"}
+
+
+def test_a_metrics_port_in_use_is_one_line() -> None:
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "kcoral", "router", "--listen", f"tcp://127.0.0.1:{free_port()}"]
+        argv += ["--nodes-listen", f"tcp://127.0.0.1:{free_port()}", "--metrics-listen", f"127.0.0.1:{port}"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 78
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert f"cannot listen on 127.0.0.1:{port} for metrics" in done.stderr and "in use" in done.stderr

@@ -317,15 +317,34 @@ def test_the_reservoir_keeps_a_uniform_sample_of_bounded_size() -> None:
     assert all(300 < count < 500 for count in counts), counts
 
 
-def test_a_wrong_output_fails_the_check_with_correctness() -> None:
+def test_a_timed_output_must_equal_the_candidates_own_untimed_output() -> None:
     good = KeptOutput(0, 10, torch.ones(3), ())
     wrong = KeptOutput(1, 11, torch.zeros(3), ())
     close = torch.testing.assert_close
-    assert check_outputs(torch, [good], check=None, expected=torch.ones(3), assert_close=close) == 1
+
+    def again(kept: KeptOutput) -> Any:
+        return torch.ones(3)
+
+    assert check_outputs(torch, [good], check=None, expected=again, assert_close=close) == 1
     with pytest.raises(ExecutionError) as caught:
-        check_outputs(torch, [good, wrong], check=None, expected=torch.ones(3), assert_close=close)
+        check_outputs(torch, [good, wrong], check=None, expected=again, assert_close=close)
     assert caught.value.kind == "correctness"
     assert "timed call 1" in caught.value.message
+
+
+def test_rotated_clones_differ_in_value_and_the_writes_of_a_call_show(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inputs, "_is_cuda_tensor", lambda torch, value: isinstance(value, torch.Tensor))
+    plan = inputs.plan_inputs(torch, (torch.ones(4), torch.arange(4), 2.0), None)
+    assert plan.mode == inputs.MODE_ROTATED and len(plan.sets) == inputs.MAX_ROTATED_SETS
+    assert len({float(s[0][0]) for s in plan.sets}) == len(plan.sets)  # floats: a value per set
+    assert all(torch.equal(s[1], torch.arange(4)) and s[2] == 2.0 for s in plan.sets)  # ints untouched
+    x = torch.ones(4)
+    scaled = inputs._scaled_clone(torch, x, 1.0 + 3 * inputs.ROTATION_SCALE_STEP)
+    assert scaled.data_ptr() != x.data_ptr() and float(scaled[0]) == pytest.approx(1.046875)
+    assert inputs._scaled_clone(torch, 7, 2.0) == 7
+    before = inputs.versions(torch, (x, 3))
+    x.add_(1.0)
+    assert inputs.versions(torch, (x, 3)) != before
 
 
 def test_a_user_check_sees_each_kept_output_with_its_inputs() -> None:

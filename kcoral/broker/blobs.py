@@ -158,9 +158,7 @@ class BlobStore:
         Every digest is validated before any is counted, so a bad request changes no statistic.
         """
         unique = list(dict.fromkeys(_check_digest(digest) for digest in digests))
-        absent = [
-            digest for digest in unique if digest not in self._memory and digest not in self._disk
-        ]
+        absent = [digest for digest in unique if digest not in self._memory and digest not in self._disk]
         self._misses += len(absent)
         self._hits += len(unique) - len(absent)
         return absent
@@ -420,9 +418,7 @@ class BlobStore:
                     # Left by a broker that stopped mid-write; this broker owns the directory.
                     self._remove_disk_file(Path(entry.path))
                     continue
-                if _DIGEST_PATTERN.fullmatch(entry.name) is None or not entry.is_file(
-                    follow_symlinks=False
-                ):
+                if _DIGEST_PATTERN.fullmatch(entry.name) is None or not entry.is_file(follow_symlinks=False):
                     continue  # Not ours: leave it alone.
                 stat = entry.stat(follow_symlinks=False)
                 if stat.st_size == 0 and entry.name != _EMPTY_DIGEST:

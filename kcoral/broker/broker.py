@@ -32,12 +32,24 @@ from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
 from kcoral.broker.workers import WorkerPool
 from kcoral.metrics import ServiceMetrics, programs_in_flight
+from kcoral.service import auth
+from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
 
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
+# A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
+# whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
+# messages ahead of it, about 2 s of reading on a busy 2-core VM. (Measured: when the flood fills
+# the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
+# when the worker exits is lost, RESULT included; only the flooding program's own answer.)
+CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
+# PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
+# rate are dropped before they are decoded; a program that floods them costs the loop little.
+PROGRESS_PER_SECOND = 50.0
+PROGRESS_BURST = 100.0
 
 
 class Broker:
@@ -70,12 +82,34 @@ class Broker:
                 disk_bytes=settings.cache_disk_bytes,
             )
         )
+        # One frame larger than a client may have in uploads at once could never be accepted, and
+        # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
+        frame_limit = min(settings.max_request_bytes, settings.upload_bounds[1])
         self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
-            "broker", ShellSettings.for_service(settings), fail_request=self._finish_error, metrics=self.metrics
+            "broker",
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=frame_limit,
+                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+                metrics_listen=settings.metrics_listen,
+            ),
+            fail_request=self._finish_error,
+            metrics=self.metrics,
+        )
+        self.zap = (
+            auth.ZapAuthenticator(self.shell.context, settings.security.authorized) if settings.security else None
         )
         self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()
+        self.trusted_owners: set[bytes] = set()  # the router relay: the router applies the shares
+        self.orphans = OrphanWatch(settings.orphan_grace_seconds)
+        self.progress_limit: RateLimit[bytes] = RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST)
+        # What HEALTH and TARGET say that never changes, found once (versions() alone took about
+        # 1.6 ms of the loop per HEALTH).
+        self.hostname = stdlib_socket.gethostname()
+        self.versions = versions()
+        self.target_wire = self.target.to_wire()
         self.intake = ProgramIntake(
             IntakeSettings(
                 gpu_count=len(self.gpu_ids),
@@ -84,11 +118,14 @@ class Broker:
                 negotiation_timeout_seconds=settings.negotiation_timeout_seconds,
                 blob_path_min_bytes=settings.blob_path_min_bytes,
                 sandboxed=settings.sandbox == "bubblewrap",
+                max_queued_per_client=settings.client_queue_limit,
             ),
             blobs=self.blobs,
             requests=self.requests,
             tasks=self.shell.tasks,
             port=self,
+            uploads=UploadBudget(*settings.upload_bounds),
+            trusted=self.trusted_owners,
         )
         self.shell.handlers.update(
             {
@@ -96,7 +133,7 @@ class Broker:
                 protocol.BLOBS: self.intake.on_blobs,
                 protocol.CANCEL: self._on_cancel,
                 protocol.HEALTH: self.shell.answer(self.health),
-                protocol.TARGET: self.shell.answer(self.target.to_wire),
+                protocol.TARGET: self.shell.answer(lambda: self.target_wire),
             }
         )
         self.backend = router_socket(self.shell.context)
@@ -112,6 +149,13 @@ class Broker:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        auth.check_listen(
+            self.settings.listen,
+            secured=self.settings.security is not None,
+            insecure_listen_any=self.settings.insecure_listen_any,
+        )
+        if self.zap is not None:
+            self.zap.start()  # before the client socket binds: no handshake goes unchecked
         return await self.shell.serve(self._open, self._release, self.metrics.counters)
 
     async def _open(self) -> None:
@@ -123,8 +167,13 @@ class Broker:
         if self.settings.upstream:
             node_id = self.settings.node_id or default_node_id(self.settings.listen)
             self.upstream = UpstreamLink(
-                context=self.shell.context, upstream=self.settings.upstream, node_id=node_id, health=self.health
+                context=self.shell.context,
+                upstream=self.settings.upstream,
+                node_id=node_id,
+                health=self.health,
+                keys=self.settings.upstream_keys,
             )
+            self.trusted_owners.add(self.upstream.local_identity)
             # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
             self.shell.clients.bind(self.upstream.local_endpoint)
             self.upstream.start()
@@ -141,6 +190,8 @@ class Broker:
         if self.upstream is not None:
             await self.upstream.close()  # its sockets must be closed before the context ends
         await self.supervisor.stop()
+        if self.zap is not None:
+            await self.zap.close()
         self.backend.close(linger=0)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -266,6 +317,8 @@ class Broker:
 
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
+        if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
+            return  # dropped before it is decoded: see PROGRESS_PER_SECOND
         try:
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
@@ -372,7 +425,9 @@ class Broker:
             return
         # The worker stays known for a moment: its RESULT may still be queued in the socket.
         self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
-        asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE_SECONDS, self._fail_crashed, request, worker, exit)
+        clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
+        grace = CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
+        asyncio.get_running_loop().call_later(grace, self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
         self.pool.forget(worker)
@@ -412,6 +467,7 @@ class Broker:
             request.lease_task.cancel()
         self.leases.reclaim(request.id)
         self.blobs.unpin_owner(request.id)
+        self.intake.uploads.release(request.id)
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
@@ -456,10 +512,23 @@ class Broker:
         self.shell.fail_internal(message, exc)
 
     async def _heartbeat_loop(self) -> None:
+        interval = protocol.HEARTBEAT_INTERVAL_SECONDS
+        next_beat = time.monotonic()
         while True:
-            await asyncio.sleep(protocol.HEARTBEAT_INTERVAL_SECONDS)
-            self.shell.heartbeat_clients()
+            # On a fixed schedule, so that a beat delayed by a busy loop is not followed by a full
+            # interval more: what a client measures is the gap between two beats.
+            next_beat = max(next_beat + interval, time.monotonic())
+            await asyncio.sleep(next_beat - time.monotonic())
+            self.orphans.gone(self.shell.heartbeat_clients())
+            self._cancel_orphans()
             self._expire_queued()
+
+    def _cancel_orphans(self) -> None:
+        """Programs whose client's connection is gone: nobody will read their answers. Waiting
+        ones end at once, running ones once the grace is over (kcoral.service.fairness)."""
+        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.state == "running"):
+            log.warning("client_gone_cancelling", request_id=request.id, running=running)
+            self._finish_error(request, "cancelled", "the client disconnected")
 
     def _expire_queued(self) -> None:
         """A program never waits in the queue for ever: past the queue timeout it is refused."""
@@ -479,7 +548,7 @@ class Broker:
             "status": "draining" if self.draining else "ok",
             "instance_id": self.instance_id,
             "started_at": self.started_at,
-            "hostname": stdlib_socket.gethostname(),
+            "hostname": self.hostname,
             "gpu_count": len(self.gpu_ids),
             "fake_gpus": self.target.fake,
             "load": {
@@ -498,8 +567,8 @@ class Broker:
             "counters": self.metrics.counters(),
             **programs_in_flight([r.describe(now) for r in self.requests]),
             "sandbox": self.settings.sandbox,
-            "target": self.target.to_wire(),
-            "versions": versions(),
+            "target": self.target_wire,
+            "versions": self.versions,
         }
 
 

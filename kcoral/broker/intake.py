@@ -24,7 +24,8 @@ from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
 from kcoral.broker.requests import Request
 from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
-from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.admission import Refusal, admit_execute, declared_sizes, refuse_gpu_count
+from kcoral.service.fairness import UploadBudget
 from kcoral.service.shell import ClientMessage, InFlightTable
 from kcoral.service.tasks import TaskSet
 
@@ -50,6 +51,7 @@ class IntakeSettings:
     # as a frame: no copy through the broker's memory and the ipc socket.
     blob_path_min_bytes: int = 1 << 20
     sandboxed: bool = False  # workers see the cache directory at SANDBOX_BLOBS_DIR
+    max_queued_per_client: int = 1024  # programs one client (owner) may have waiting
 
 
 class IntakePort(Protocol):
@@ -85,12 +87,19 @@ class ProgramIntake:
         requests: InFlightTable[Request],
         tasks: TaskSet,
         port: IntakePort,
+        uploads: UploadBudget[bytes] | None = None,
+        trusted: frozenset[bytes] | set[bytes] = frozenset(),
     ) -> None:
         self.settings = settings
         self.blobs = blobs
         self.requests = requests
         self.tasks = tasks
         self.port = port
+        # Bytes of uploads in progress, per client and in all (unbounded unless given).
+        self.uploads: UploadBudget[bytes] = uploads or UploadBudget(1 << 62, 1 << 62)
+        # Owners exempt from the per-client share: the broker's own router relay, whose clients
+        # the router holds to their shares.
+        self.trusted = trusted
 
     # --- the two commands ---
 
@@ -102,9 +111,7 @@ class ProgramIntake:
         if not self._off_loop(message, self._blobs):
             self._blobs(message, None)
 
-    def _off_loop(
-        self, message: ClientMessage, then: Callable[[ClientMessage, dict[str, PreparedBlob]], None]
-    ) -> bool:
+    def _off_loop(self, message: ClientMessage, then: Callable[[ClientMessage, dict[str, PreparedBlob]], None]) -> bool:
         """Hashing and writing a large upload takes seconds: do it in a thread, so heartbeats,
         leases and other clients are served meanwhile; then go on with ``then``."""
         if message.data_bytes < OFF_LOOP_UPLOAD_BYTES:
@@ -133,13 +140,23 @@ class ProgramIntake:
             self.port.fail_internal(message, exc)
 
     def _execute(self, message: ClientMessage, prepared: dict[str, PreparedBlob] | None) -> None:
-        client, request_id = message.client, message.request_id
+        client, request_id, owner = message.client, message.request_id, message.owner or message.client
+        waiting = mine = 0
+        for r in self.requests:
+            if r.state in ("negotiating", "queued"):
+                waiting += 1
+                mine += r.owner == owner
+        limit = self.settings.max_queued_per_client
+        if mine >= limit and owner not in self.trusted and request_id not in self.requests:
+            text = f"this client has {mine} programs waiting; one client may have at most {limit}"
+            self.port.refuse(client, request_id, "busy", text)
+            return
         admitted = admit_execute(
             message.body,
             service="broker",
             already_in_flight=request_id in self.requests,
             draining=self.port.draining,
-            waiting=sum(1 for r in self.requests if r.state in ("negotiating", "queued")),
+            waiting=waiting,
             max_queued=self.settings.max_queued,
             max_request_bytes=self.settings.max_request_bytes,
             capacity=self._capacity,
@@ -148,16 +165,22 @@ class ProgramIntake:
             self.port.refuse(client, request_id, *admitted)
             return
         program, options, digests = admitted.program, admitted.options, admitted.digests
+        # One hit or miss per blob and program, on what the cache held when the program arrived;
+        # later rounds check without counting, so a cold blob is not also counted as a hit.
+        absent = self.blobs.missing(digests)
+        # The bytes this upload will hold before the program is queued, reserved before any is sent.
+        sizes = declared_sizes(program)
+        refusal = self.uploads.reserve(request_id, owner, sum(sizes.get(d, 0) for d in set(absent)))
+        if refusal is not None:
+            self.port.refuse(client, request_id, refusal.kind, refusal.message)
+            return
         gpu_count = self._gpu_count(options)
-        request = Request(request_id, client, program, options, digests, gpu_count)
+        request = Request(request_id, client, program, options, digests, gpu_count, owner=owner)
         self.requests.add(request)
         # Pinned before anything is stored, so no eviction can fall between a blob's arrival (or
         # its being found in the cache) and the program's end.
         for digest in digests:
             self.blobs.pin(digest, request_id)
-        # One hit or miss per blob and program, on what the cache held when the program arrived;
-        # later rounds check without counting, so a cold blob is not also counted as a hit.
-        absent = self.blobs.missing(digests)
         log.info(
             "request_received",
             request_id=request_id,
@@ -194,9 +217,7 @@ class ProgramIntake:
 
     # --- blobs ---
 
-    def _store_blobs(
-        self, request: Request, message: ClientMessage, prepared: dict[str, PreparedBlob] | None
-    ) -> bool:
+    def _store_blobs(self, request: Request, message: ClientMessage, prepared: dict[str, PreparedBlob] | None) -> bool:
         """Check and store the blobs attached to EXECUTE or BLOBS; False when the request was
         failed (and answered) instead. ``prepared`` holds blobs already hashed off the loop."""
         digests = message.body.get("blobs") or []
@@ -213,6 +234,11 @@ class ProgramIntake:
                 request.bytes_received += len(frame)
                 if request.bytes_received > limit:
                     self.port.fail(request, "request_too_large", f"the program's uploads exceed {limit} bytes")
+                    return False
+                # More than it declared: held against the client's upload bounds all the same.
+                refusal = self.uploads.reserve(request.id, request.owner, request.bytes_received)
+                if refusal is not None:
+                    self.port.fail(request, refusal.kind, refusal.message)
                     return False
                 # A received frame is never written to again, so a large one is kept as it is.
                 adopt = len(frame) >= ADOPT_FRAME_BYTES
@@ -253,6 +279,7 @@ class ProgramIntake:
         if request.timer is not None:
             request.timer.cancel()
             request.timer = None
+        self.uploads.release(request.id)  # its blobs are all in the store now, pinned until it ends
         ahead = sum(1 for r in self.requests if r.state == "queued")  # for a client's progress line
         request.state = "queued"
         request.queued_at = time.monotonic()

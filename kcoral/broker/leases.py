@@ -167,11 +167,7 @@ class LeaseTable:
         state: dict[str, object] = {}
         for gpu in self._gpus:
             holder = self._token_holder[gpu]
-            held_for_ms = (
-                None
-                if holder is None
-                else round((now - self._grants[holder].granted_at) * _MS_PER_S, 3)
-            )
+            held_for_ms = None if holder is None else round((now - self._grants[holder].granted_at) * _MS_PER_S, 3)
             state[str(gpu)] = {
                 "holder": holder,
                 "held_for_ms": held_for_ms,
@@ -217,9 +213,7 @@ class LeaseTable:
         for waiter in list(self._waiters.values()):
             if self._eligible(waiter.gpus, blocked=blocked):
                 del self._waiters[waiter.holder]
-                waiter.future.set_result(
-                    self._grant(waiter.holder, waiter.gpus, waiter.requested_at)
-                )
+                waiter.future.set_result(self._grant(waiter.holder, waiter.gpus, waiter.requested_at))
             else:
                 blocked |= waiter.gpus
 
@@ -237,9 +231,7 @@ class LeaseTable:
             self.release(waiter.holder)
 
 
-def choose_gpus(
-    table_load: Mapping[int, int], count: int, preferred: int | None
-) -> tuple[int, ...]:
+def choose_gpus(table_load: Mapping[int, int], count: int, preferred: int | None) -> tuple[int, ...]:
     """Pick ``count`` GPU ids for a program: ``preferred`` first, then the least loaded others.
 
     ``table_load`` maps every GPU id of the host to its load (holders plus waiters, say); ties go

@@ -44,6 +44,12 @@ class Request:
     timer: asyncio.TimerHandle | None = None
     lease_task: asyncio.Task[None] | None = None
     bytes_received: int = 0
+    # Who the program belongs to for fair share: the client's CURVE key, or its connection
+    # (kcoral.service.auth.peer_identity); ``client`` is the connection its answers go to.
+    owner: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.owner = self.owner or self.client
 
     def describe(self, now: float) -> dict[str, Any]:
         """A row of health's programs in flight."""
@@ -57,15 +63,16 @@ class Request:
 
 
 class FromClient(Protocol):
-    client: bytes
+    owner: bytes
 
 
 QueuedT = TypeVar("QueuedT", bound=FromClient)
 
 
 class RequestQueue(Generic[QueuedT]):
-    """Programs waiting to start, one FIFO per client, served round robin across clients so one
-    busy client cannot starve the others. The broker queues its requests here, the router its own."""
+    """Programs waiting to start, one FIFO per client (its ``owner``: one key, however many
+    connections it opens), served round robin across clients so one busy client cannot starve
+    the others. The broker queues its requests here, the router its own."""
 
     def __init__(self) -> None:
         self._by_client: OrderedDict[bytes, deque[QueuedT]] = OrderedDict()
@@ -73,15 +80,19 @@ class RequestQueue(Generic[QueuedT]):
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_client.values())
 
+    def queued_by(self, owner: bytes) -> int:
+        queue = self._by_client.get(owner)
+        return len(queue) if queue is not None else 0
+
     def push(self, request: QueuedT) -> None:
-        self._by_client.setdefault(request.client, deque()).append(request)
+        self._by_client.setdefault(request.owner, deque()).append(request)
 
     def push_front(self, request: QueuedT, *, serve_client_next: bool = True) -> None:
         """Put back a request that could not start, first in its client's line; unless told
         otherwise, that client is also served next."""
-        self._by_client.setdefault(request.client, deque()).appendleft(request)
+        self._by_client.setdefault(request.owner, deque()).appendleft(request)
         if serve_client_next:
-            self._by_client.move_to_end(request.client, last=False)
+            self._by_client.move_to_end(request.owner, last=False)
 
     def pop(self) -> QueuedT | None:
         for client in list(self._by_client):
@@ -97,8 +108,8 @@ class RequestQueue(Generic[QueuedT]):
         return None
 
     def remove(self, request: QueuedT) -> None:
-        queue = self._by_client.get(request.client)
+        queue = self._by_client.get(request.owner)
         if queue is not None and request in queue:
             queue.remove(request)
             if not queue:
-                del self._by_client[request.client]
+                del self._by_client[request.owner]

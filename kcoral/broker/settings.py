@@ -7,6 +7,15 @@ from pathlib import Path
 
 from kcoral import protocol
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS
+from kcoral.keys import ClientKeys
+from kcoral.service.auth import ServerSecurity
+
+# Fair share. Without --max-queued-per-client one client may fill this fraction of --max-queued:
+# four busy clients together can fill the queue, one alone leaves room for everyone else.
+CLIENT_QUEUE_SHARE = 4
+# How long a vanished client's running programs go on before they are cancelled: a short network
+# blip (the DEALER reconnects under the same identity) costs nothing, a gone client little GPU time.
+ORPHAN_GRACE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,36 @@ class BrokerSettings:
     # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
     upstream: str | None = None
     node_id: str | None = None
+    # Access (kcoral/service/auth.py, kcoral/service/fairness.py). Without security the broker
+    # listens on loopback only, unless insecure_listen_any.
+    security: ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    upstream_keys: ClientKeys | None = None  # CURVE on the link to the router
+    max_queued_per_client: int | None = None  # None: max_queued // CLIENT_QUEUE_SHARE
+    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
+    # Bytes of uploads in progress (programs still negotiating their blobs); None: twice
+    # max_request_bytes in all, and max_request_bytes per client.
+    max_upload_bytes: int | None = None
+    max_upload_bytes_per_client: int | None = None
+
+    @property
+    def client_queue_limit(self) -> int:
+        return client_queue_limit(self.max_queued, self.max_queued_per_client)
+
+    @property
+    def upload_bounds(self) -> tuple[int, int]:
+        """(in all, per client) bytes of uploads in progress."""
+        per_client = self.max_upload_bytes_per_client or self.max_request_bytes
+        return self.max_upload_bytes or 2 * self.max_request_bytes, per_client
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
 
 
-__all__ = ["BrokerSettings"]
+def client_queue_limit(max_queued: int, max_queued_per_client: int | None) -> int:
+    """Programs one client may have waiting: as given, or a fair fraction of the queue."""
+    if max_queued_per_client is not None:
+        return max_queued_per_client
+    return max(1, max_queued // CLIENT_QUEUE_SHARE)
+
+
+__all__ = ["CLIENT_QUEUE_SHARE", "ORPHAN_GRACE_SECONDS", "BrokerSettings", "client_queue_limit"]

@@ -37,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.keys import ClientKeys
 from kcoral.service.sockets import receive_forever, send_now
 from kcoral.service.tasks import TaskSet
 
@@ -93,12 +94,16 @@ class UpstreamLink:
         upstream: str,
         node_id: str,
         health: HealthSource,
+        keys: ClientKeys | None = None,
     ) -> None:
         protocol.check_id(node_id, "node id")
         self.context = context
         self.upstream = upstream
         self.node_id = node_id
         self.health = health
+        self.keys = keys  # CURVE on the link: the router checks this node's key (its nodes domain)
+        # The relay's identity at its broker, which trusts it with the router's clients' shares.
+        self.local_identity = f"u-{uuid.uuid4().hex}".encode()
         # The broker binds its client socket here too; inproc needs no port and copies nothing.
         self.local_endpoint = f"inproc://kcoral-upstream-{uuid.uuid4().hex}"
         self.registered = False
@@ -116,7 +121,7 @@ class UpstreamLink:
         local.setsockopt(zmq.LINGER, 0)
         local.setsockopt(zmq.SNDHWM, LINK_HIGH_WATER_MARK)
         local.setsockopt(zmq.RCVHWM, LINK_HIGH_WATER_MARK)
-        local.setsockopt(zmq.IDENTITY, f"u-{uuid.uuid4().hex}".encode())
+        local.setsockopt(zmq.IDENTITY, self.local_identity)
         local.connect(self.local_endpoint)
         self._local = local
         # Opened here, not in the task, so that a bad --upstream endpoint fails the start (ZMQError).
@@ -150,6 +155,8 @@ class UpstreamLink:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         # A fresh identity per link: the router tells an old link's late messages from the new one's.
         sock.setsockopt(zmq.IDENTITY, f"n-{uuid.uuid4().hex}".encode())
+        if self.keys is not None:
+            self.keys.apply(sock)
         sock.connect(self.upstream)
         self._link = sock
         return sock

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from kcoral import protocol
 from kcoral.client.program import Program
@@ -32,9 +33,13 @@ from kcoral.client.progress import ProgressCallback, ProgressEvent, TerminalProg
 from kcoral.client.reach import Unresolvable, check_resolves, silence_reason
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError, ProtocolError, TransportError
+from kcoral.keys import ClientKeys
 
 T = TypeVar("T")
 URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 RECEIVE_HIGH_WATER_MARK = 10_000
 SEND_HIGH_WATER_MARK = 10_000
 # A client closed with programs in flight (Ctrl-C, an exception in a `with` block) cancels them on
@@ -83,10 +88,17 @@ def check_execute_options(
 
 
 class AsyncClient:
-    """An asyncio client; many programs may be in flight over its one connection."""
+    """An asyncio client; many programs may be in flight over its one connection.
 
-    def __init__(self, url: str | None = None, *, connect_timeout_seconds: float = 10.0) -> None:
+    ``keys`` (:class:`kcoral.keys.ClientKeys`) make the connection CurveZMQ: encrypted, the
+    server checked against its public key, and this client known to it by its own key.
+    """
+
+    def __init__(
+        self, url: str | None = None, *, connect_timeout_seconds: float = 10.0, keys: ClientKeys | None = None
+    ) -> None:
         self.url = resolve_url(url)
+        self.keys = keys
         if connect_timeout_seconds <= 0:
             raise ValueError("connect_timeout_seconds must be > 0")
         self.connect_timeout_seconds = connect_timeout_seconds
@@ -128,6 +140,8 @@ class AsyncClient:
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HIGH_WATER_MARK)
         socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         socket.setsockopt(zmq.IDENTITY, f"c-{uuid.uuid4().hex}".encode())
+        if self.keys is not None:
+            self.keys.apply(socket)
         self._socket = socket
         try:
             with map_zmq_errors():
@@ -138,7 +152,7 @@ class AsyncClient:
         self._state = ClientState.OPENED
         self._reader = asyncio.create_task(self._read_loop())
         try:
-            await asyncio.wait_for(self.health(), self.connect_timeout_seconds)
+            await asyncio.wait_for(self._first_health(), self.connect_timeout_seconds)
         except (TimeoutError, TransportError) as exc:
             await self.aclose()
             reason = await silence_reason(self.url, self.connect_timeout_seconds)
@@ -146,6 +160,30 @@ class AsyncClient:
         except BaseException:
             await self.aclose()
             raise
+
+    async def _first_health(self) -> dict[str, Any]:
+        """health(); with CURVE keys, a handshake the service refuses ends it at once with
+        ``unauthorized`` rather than after the connect timeout (libzmq would retry for ever)."""
+        if self.keys is None or self._socket is None:
+            return await self.health()
+        monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        health = asyncio.ensure_future(self.health())
+        refused = asyncio.ensure_future(monitor.recv_multipart())
+        try:
+            done, _ = await asyncio.wait({health, refused}, return_when=asyncio.FIRST_COMPLETED)
+            if health in done:
+                return health.result()
+            event = zmq.utils.monitor.parse_monitor_message(refused.result())["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                message = f"{self.url} refused this client's key (not among its authorized keys)"
+            else:
+                message = f"the CurveZMQ handshake with {self.url} failed: is the server key the service's?"
+            raise KCoralError("unauthorized", message)
+        finally:
+            for future in (health, refused):
+                future.cancel()
+            self._socket.disable_monitor()
+            monitor.close(linger=0)
 
     async def aclose(self) -> None:
         """Close the connection; idempotent."""
@@ -430,8 +468,9 @@ class Client:
         connect_timeout_seconds: float = 10.0,
         progress: bool | None = None,
         show_output: bool = False,
+        keys: ClientKeys | None = None,
     ) -> None:
-        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds)
+        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds, keys=keys)
         self.progress = progress
         self.show_output = show_output
         self.output_shown = {"stdout": 0, "stderr": 0}

@@ -33,6 +33,10 @@ class RouterRequest:
     # "running" at the node; for kcoral status.
     state: str = "queued"
     gpu_ids: tuple[int, ...] = ()
+    owner: bytes = b""  # fair-share identity: the CURVE key, or the connection (as in the broker)
+
+    def __post_init__(self) -> None:
+        self.owner = self.owner or self.client
 
 
 @dataclass(eq=False)

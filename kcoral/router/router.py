@@ -54,6 +54,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.requests import RequestQueue
+from kcoral.broker.settings import ORPHAN_GRACE_SECONDS, client_queue_limit
 from kcoral.broker.target import versions
 from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.router.nodes import (
@@ -65,7 +66,9 @@ from kcoral.router.nodes import (
     parse_quiet_seconds,
     parse_registration,
 )
+from kcoral.service import auth
 from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.fairness import OrphanWatch
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
@@ -92,6 +95,12 @@ class RouterSettings:
     node_wait_seconds: float = NODE_WAIT_SECONDS
     max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
     node_blob_memory: int = NODE_BLOB_MEMORY
+    # Access (kcoral/service/auth.py): CURVE with a clients and a nodes key set; without it, the
+    # router listens on loopback only unless insecure_listen_any.
+    security: auth.ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    max_queued_per_client: int | None = None  # None: a fair fraction of max_queued, as the broker's
+    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
 
@@ -105,8 +114,19 @@ class Router:
         self.started_at = time.time()
         self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
-            "router", ShellSettings.for_service(settings), fail_request=self._finish_error, metrics=self.metrics
+            "router",
+            ShellSettings(
+                listen=settings.listen,
+                max_message_bytes=settings.max_request_bytes,
+                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
+                metrics_listen=settings.metrics_listen,
+            ),
+            fail_request=self._finish_error,
+            metrics=self.metrics,
         )
+        security = settings.security
+        self.zap = auth.ZapAuthenticator(self.shell.context, security.authorized) if security is not None else None
+        self.orphans = OrphanWatch(settings.orphan_grace_seconds)
         self.shell.handlers.update(
             {
                 protocol.EXECUTE: self._on_execute,
@@ -134,9 +154,20 @@ class Router:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
+        security = self.settings.security
+        for endpoint, flag in ((self.settings.listen, "--listen"), (self.settings.nodes_listen, "--nodes-listen")):
+            auth.check_listen(
+                endpoint, secured=security is not None, insecure_listen_any=self.settings.insecure_listen_any, flag=flag
+            )
+        if self.zap is not None:
+            self.zap.start()  # before any socket binds: no handshake goes unchecked
         return await self.shell.serve(self._open, self._release, self._counters)
 
     async def _open(self) -> None:
+        if self.settings.security is not None:
+            # Only the host brokers whose keys are listed may register: anyone else could pose as
+            # a node and be sent other people's programs.
+            self.settings.security.apply(self.backend, auth.NODES_DOMAIN)
         self.backend.bind(self.settings.nodes_listen)
         self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
         self.shell.spawn(self._tick_loop(), name="ticks")
@@ -153,6 +184,8 @@ class Router:
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
         self.backend.close(linger=GOODBYE_LINGER_MS)
+        if self.zap is not None:
+            await self.zap.close()
 
     def _counters(self) -> dict[str, Any]:
         return {**self.metrics.counters(), **self.counters, "refused": self.shell.refused}
@@ -160,7 +193,15 @@ class Router:
     # --- clients ---
 
     def _on_execute(self, message: ClientMessage) -> None:
-        client, request_id = message.client, message.request_id
+        client, request_id, owner = message.client, message.request_id, message.owner or message.client
+        mine, limit = (
+            self.queue.queued_by(owner),
+            client_queue_limit(self.settings.max_queued, self.settings.max_queued_per_client),
+        )
+        if mine >= limit and request_id not in self.requests:
+            text = f"this client has {mine} programs waiting; one client may have at most {limit}"
+            self.shell.refuse(client, request_id, "busy", text)
+            return
         admitted = admit_execute(
             message.body,
             service="router",
@@ -175,7 +216,7 @@ class Router:
             self.shell.refuse(client, request_id, *admitted)
             return
         gpu_count, digests = admitted.options.gpu_count or 0, admitted.digests
-        request = RouterRequest(request_id, client, gpu_count, digests, message.frames)
+        request = RouterRequest(request_id, client, gpu_count, digests, message.frames, owner=owner)
         self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
@@ -396,7 +437,7 @@ class Router:
             body = message[2]
             final = protocol.unpack_map(body.buffer if isinstance(body, zmq.Frame) else body)
         except (IndexError, protocol.WireError):
-            final = {"ok": False, "error": {"kind": "engine"}}
+            final = protocol.final_error_body(request.id, "engine", "the node's FINAL could not be read")
         self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
 
     def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
@@ -437,7 +478,14 @@ class Router:
         beat = protocol.message(protocol.NODE_HEARTBEAT, {})
         for node in self.nodes.values():
             self._send_node(node.identity, beat)
-        self.shell.heartbeat_clients()
+        self.orphans.gone(self.shell.heartbeat_clients())
+        # Programs whose client's connection is gone: waiting ones end at once, those on a node
+        # once the grace is over, cancelled there too (kcoral.service.fairness).
+        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.node is not None):
+            log.warning("client_gone_cancelling", request_id=request.id, running=running)
+            if request.node is not None:
+                self._send_node(request.node.identity, protocol.message(protocol.CANCEL, {"request_id": request.id}))
+            self._finish_error(request, "cancelled", "the client disconnected")
 
     def _expire_queued(self, now: float) -> None:
         """A queued program never waits for ever: see the module docstring for the rules."""

@@ -1,2 +1,2 @@
 """What every KCoral service (the host broker, the router) is built on: the client-facing shell,
-its sockets and its tasks."""
+its sockets and its tasks, who may connect (``auth``), and each client's fair share (``fairness``)."""

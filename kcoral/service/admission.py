@@ -89,7 +89,12 @@ def refuse_gpu_count(gpu_count: int, most: int, *, where: str) -> Refusal | None
 
 
 def declared_bytes(program: dict[str, Any]) -> int:
-    """The bytes of a program's blobs as its instructions declare them, each digest once.
+    """The bytes of a program's blobs as its instructions declare them, each digest once."""
+    return sum(declared_sizes(program).values())
+
+
+def declared_sizes(program: dict[str, Any]) -> dict[str, int]:
+    """The size of each of a program's blobs as its instructions declare it.
 
     Counts tensors wherever they appear (uploads, run arguments, returned literals), so a program
     over the limit is refused before any of its bytes are sent.
@@ -114,7 +119,7 @@ def declared_bytes(program: dict[str, Any]) -> int:
         for key in ("tensor", "args", "value"):
             if key in ins:
                 protocol.decode_value(ins[key], visit)
-    return sum(sizes.values())
+    return sizes
 
 
 __all__ = [
@@ -122,6 +127,7 @@ __all__ = [
     "Refusal",
     "admit_execute",
     "declared_bytes",
+    "declared_sizes",
     "refuse_gpu_count",
     "refuse_new_request",
     "refuse_size",

@@ -39,6 +39,8 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.metrics import MetricsServer, ServiceMetrics
+from kcoral.service.auth import peer_identity
+from kcoral.service.fairness import RateLimit
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.service.tasks import TaskSet
 
@@ -46,6 +48,16 @@ log = structlog.get_logger("kcoral.service")
 
 # A drain waits this long for the programs in flight: the longest a program may run, and a margin.
 SHUTDOWN_DRAIN_SECONDS = protocol.MAX_TIMEOUT_SECONDS + 60
+# Refusals are logged at most this often (per kind; bursts of REFUSAL_LOG_BURST): a flood of
+# refused requests (HEALTH over its rate, EXECUTE over a client's share) would otherwise cost the
+# loop a log line each. Those not logged are counted in the next line that is.
+# HEALTH and TARGET per client: plenty for a status page or a load balancer (a poll every 100 ms
+# is 10/s), while a flood of them is answered `busy` at a fraction of the cost.
+STATUS_REQUESTS_PER_SECOND = 20.0
+STATUS_REQUESTS_BURST = 50.0
+STATUS_BUSY_MESSAGE = f"more than {STATUS_REQUESTS_PER_SECOND:g} HEALTH or TARGET requests a second from this client"
+REFUSAL_LOGS_PER_SECOND = 10.0
+REFUSAL_LOG_BURST = 50.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,8 @@ class ClientMessage:
     body: dict[str, Any]
     frames: list[zmq.Frame]  # the message as received, without the identity: what a router forwards
     data: list[memoryview]  # the frames after the body: blobs
+    # Who sent it, for fair share: the client's CURVE key (all its connections), else ``client``.
+    owner: bytes = b""
 
     @property
     def data_bytes(self) -> int:
@@ -121,19 +135,6 @@ class InFlightTable(Generic[RequestT]):
         return {request.client for request in self._by_id.values()}
 
 
-class ServiceSettings(Protocol):
-    """What a service's settings (BrokerSettings, RouterSettings) tell its shell."""
-
-    @property
-    def listen(self) -> str: ...
-
-    @property
-    def max_request_bytes(self) -> int: ...
-
-    @property
-    def metrics_listen(self) -> str | None: ...
-
-
 @dataclass(frozen=True)
 class ShellSettings:
     """Where and how the client socket listens."""
@@ -146,15 +147,6 @@ class ShellSettings:
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
-
-    @classmethod
-    def for_service(cls, settings: ServiceSettings) -> ShellSettings:
-        """The shell's part of a broker's or a router's settings."""
-        return cls(
-            listen=settings.listen,
-            max_message_bytes=settings.max_request_bytes,
-            metrics_listen=settings.metrics_listen,
-        )
 
 
 class ServiceShell(Generic[RequestT]):
@@ -179,6 +171,9 @@ class ServiceShell(Generic[RequestT]):
         self.tasks = TaskSet()
         self.draining = False
         self.refused = 0
+        self._refusal_log: RateLimit[str] = RateLimit(REFUSAL_LOGS_PER_SECOND, REFUSAL_LOG_BURST)
+        self._refusals_not_logged = 0
+        self.status_limit: RateLimit[bytes] = RateLimit(STATUS_REQUESTS_PER_SECOND, STATUS_REQUESTS_BURST)
         self._fail_request = fail_request
         self._stopped = asyncio.Event()
         self.metrics = metrics
@@ -285,7 +280,8 @@ class ServiceShell(Generic[RequestT]):
         except protocol.WireError as exc:
             log.warning("bad_client_message", error=str(exc), command=command.hex())
             return
-        self.dispatch(ClientMessage(client, command, request_id, body, message, data))
+        owner = peer_identity(message[-1], client)
+        self.dispatch(ClientMessage(client, command, request_id, body, message, data, owner))
 
     def dispatch(self, message: ClientMessage) -> None:
         """Pass ``message`` through the hooks to its handler; a handler that raises answers ``engine``."""
@@ -329,19 +325,28 @@ class ServiceShell(Generic[RequestT]):
             self.refuse(client, request_id, "parse", f"unreadable message: {exc}")
 
     def answer(self, result: Callable[[], dict[str, Any]]) -> Handler:
-        """A handler that answers every request with ``result()`` (HEALTH, TARGET)."""
-        return lambda message: self.reply_ok(message.client, message.request_id, result())
+        """A handler that answers every request with ``result()`` (HEALTH, TARGET), at most
+        STATUS_REQUESTS_PER_SECOND per client (``busy`` beyond)."""
+
+        def handler(message: ClientMessage) -> None:
+            if not self.status_limit.allow(message.owner or message.client):
+                self.refuse(message.client, message.request_id, "busy", STATUS_BUSY_MESSAGE)
+            else:
+                self.reply_ok(message.client, message.request_id, result())
+
+        return handler
 
     # --- replies ---
 
     def send(self, client: bytes, message: list[Any], request_id: str | None = None) -> bool:
-        """Send ``message`` to ``client`` now; False when the client is gone."""
+        """Send ``message`` to ``client`` now; False when the client is gone (its connection
+        closed: ROUTER_MANDATORY), True when sent or only dropped because the client does not
+        read (its queue is full)."""
         try:
             send_now(self.clients, [client, *message])
         except zmq.ZMQError as exc:
-            # ROUTER_MANDATORY: the client is gone; nothing is waiting for this reply.
             log.info("client_unreachable", request_id=request_id, error=str(exc))
-            return False
+            return exc.errno != zmq.EHOSTUNREACH
         return True
 
     def reply(self, client: bytes, command: bytes, body: dict[str, Any], *data: Any) -> bool:
@@ -355,14 +360,24 @@ class ServiceShell(Generic[RequestT]):
         self.refused += 1
         if self.metrics is not None and self._dispatching == protocol.EXECUTE:
             self.metrics.program_refused(kind)
-        log.info("request_refused", request_id=request_id, kind=kind, reason=message)
+        if self._refusal_log.allow(kind):
+            log.info(
+                "request_refused",
+                request_id=request_id,
+                kind=kind,
+                reason=message,
+                not_logged=self._refusals_not_logged,
+            )
+            self._refusals_not_logged = 0
+        else:
+            self._refusals_not_logged += 1
         self.send(client, protocol.final_error(request_id, kind, message), request_id)
 
-    def heartbeat_clients(self) -> None:
-        """A HEARTBEAT to every client with a request in flight, so it knows the service lives."""
+    def heartbeat_clients(self) -> list[bytes]:
+        """A HEARTBEAT to every client with a request in flight, so it knows the service lives;
+        the clients found gone (their requests are orphans: see kcoral.service.fairness)."""
         beat = protocol.message(protocol.HEARTBEAT, {})
-        for client in self.requests.clients():
-            self.send(client, beat)
+        return [client for client in self.requests.clients() if not self.send(client, beat)]
 
 
 __all__ = [

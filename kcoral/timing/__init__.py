@@ -62,8 +62,11 @@ after another costs 1.3 us; timing from the end of the hold (``ready_span``) rea
 us. ``latency_ms_median_by`` in the result gives the median by each of these. Before counting, the
 call runs until NVML reports a steady SM clock (bounded), then for the warm-up budget.
 
-Without cupti-python (or when it fails to initialise) the fallback is a pair of CUDA events around
-each call on the current stream, with the same flush and hold; ``method`` in the result says which
-was used. Events see only work ordered on the current stream, and cannot tell a call that launched
-nothing.
+Where CUPTI never worked in the process (checked when the worker armed the timer, before any
+uploaded code ran), or with ``method="cuda_event"``, a pair of CUDA events around each call on the
+current stream times it, with the same flush and hold; ``method`` and ``cupti_error`` in the result
+say which was used and why. Events see only work ordered on the current stream, and cannot tell a
+call that launched nothing. Where CUPTI worked, a later failure of it fails the instruction with
+``integrity``: a candidate that breaks CUPTI to force the fallback and then hides its work on a
+side stream gets no number.
 """

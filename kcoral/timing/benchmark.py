@@ -28,8 +28,10 @@ from kcoral.timing.inputs import (
     OutputCheck,
     OutputReservoir,
     check_outputs,
+    keep_outputs_always,
     plan_inputs,
     snapshot,
+    versions,
 )
 from kcoral.timing.nvml import (
     CLOCK_SAMPLE_INTERVAL_S,
@@ -152,8 +154,10 @@ def benchmark(
     warm-up budget.
 
     Inputs: ``fn(*args)`` gets *rotated clones* of its CUDA tensor arguments (copies at other
-    addresses, taken in turn, so an output cached on the inputs' addresses is not reused), and the
-    outputs of a random sample of timed calls must equal the first call's output. ``inputs=``, a
+    addresses, floating-point ones scaled a little differently each, taken in turn, so an output
+    cached on the inputs' addresses is not reused), and the output of each of a random sample of
+    timed calls must equal what ``fn`` returns for the same inputs when called again, untimed
+    (unless ``fn`` writes its inputs). ``inputs=``, a
     callable ``index -> tuple of arguments``, gives every call fresh inputs instead (defeating any
     cache), and ``check=``, a callable ``(output, inputs) -> None`` that raises (or returns False)
     for a wrong output, checks the sample. A failed check raises ``ExecutionError("correctness")``.
@@ -248,14 +252,18 @@ def _run(
     nvml = Nvml.open(torch, device)
 
     # The first call pays one-off costs (compilation, autotuning, handles); keep it out of the probe.
-    # Its output is what every rotated clone must give again.
+    # It also tells whether the call writes its inputs (then its outputs are not checked).
     _, first_inputs = runner.next_inputs()
+    before_call = versions(torch, first_inputs)
     tick = trusted.perf_counter()
-    first_output = runner.call(first_inputs)
+    runner.call(first_inputs)
     launch_ms = [(trusted.perf_counter() - tick) * 1e3]
     runner.synchronize()
-    expected = snapshot(torch, first_output) if defences and plan.mode == MODE_ROTATED and check is None else None
-    del first_output, first_inputs
+    writes_inputs = versions(torch, first_inputs) != before_call
+    check_again = defences and plan.mode == MODE_ROTATED and check is None and not writes_inputs
+    if writes_inputs and plan.mode == MODE_ROTATED:
+        plan.note = "the call writes its inputs: outputs not checked"
+    del first_inputs
     timer.probe(runner)
 
     clock_steady, clock_warmup_ms, iteration_ms = _warm_clock(runner, nvml, settings.clock_warmup_ms, launch_ms)
@@ -290,7 +298,8 @@ def _run(
     for _ in range(warmup):
         runner.iteration()
 
-    reservoir = OutputReservoir(keep_outputs if defences else 0, trusted.randbelow)
+    checking = defences and (check is not None or check_again or keep_outputs_always(plan))
+    reservoir = OutputReservoir(keep_outputs if checking else 0, trusted.randbelow)
     before = clock_state(nvml)
     watch = (
         EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, int(time.time() * 1e6))
@@ -313,9 +322,21 @@ def _run(
         if measurement.tampering:
             raise ExecutionError("integrity", describe_changes(measurement.tampering))
     outputs_checked = 0
-    if defences and (check is not None or expected is not None):
+    if defences and (check is not None or check_again):
+
+        def again(kept: KeptOutput) -> Any:
+            # The candidate's own output for the same inputs, untimed: what a timed call must return.
+            output = runner.call(kept.inputs)
+            runner.synchronize()
+            with trusted.plain_torch():
+                return snapshot(torch, output)
+
         outputs_checked = check_outputs(
-            torch, measurement.kept, check=check, expected=expected, assert_close=torch.testing.assert_close
+            torch,
+            measurement.kept,
+            check=check,
+            expected=again if check is None else None,
+            assert_close=torch.testing.assert_close,
         )
 
     result: dict[str, Any] = summarize(measurement.samples_ms)
@@ -347,7 +368,7 @@ def _run(
             "throttle_reasons_after": throttle_reason_names(reasons_after),
             "throttled": None if reasons_after is None else bool(reasons_after & SLOWDOWN_MASK),
             "gpu": str(torch.cuda.get_device_name(device)),
-            "device_index": int(device),
+            "device_index": int(device) if isinstance(device, int) else None,
             "inputs": {**plan.describe(), "first_timed_index": measurement.first_input_index},
             "outputs_checked": outputs_checked,
             "integrity": verdict(reasons),

@@ -114,7 +114,7 @@ class EnvironmentWatch:
 
     nvml: Nvml | None
     enumerate_threads: Callable[[], list[threading.Thread]]
-    threads_at_arm: frozenset[int]
+    threads_at_arm: frozenset[threading.Thread]
     caller: threading.Thread
     since_us: int
     pids_before: set[int] | None
@@ -125,7 +125,7 @@ class EnvironmentWatch:
         cls,
         nvml: Nvml | None,
         enumerate_threads: Callable[[], list[threading.Thread]],
-        threads_at_arm: frozenset[int],
+        threads_at_arm: frozenset[threading.Thread],
         now_us: int,
     ) -> EnvironmentWatch:
         pids = nvml.running_pids() if nvml is not None else None
@@ -139,7 +139,7 @@ class EnvironmentWatch:
             for thread in self.enumerate_threads()
             if thread is not self.caller
             and thread.is_alive()
-            and id(thread) not in self.threads_at_arm
+            and thread not in self.threads_at_arm
             # A native thread that once called into Python (CUPTI's buffer thread, say) shows up
             # as a dummy: it is no thread the program started from Python.
             and not isinstance(thread, threading._DummyThread)

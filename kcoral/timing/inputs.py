@@ -11,8 +11,12 @@ call to call:
   the way that defeats caching keyed on values as well as on addresses;
 - positional tensor arguments without a factory: *rotated clones*: up to ``MAX_ROTATED_SETS``
   copies of the arguments, each at its own address, taken in turn (as many as fit in
-  ``ROTATION_BYTES`` or a quarter of the free GPU memory). Values are the same, so each timed
-  call's output is checked against the first call's output;
+  ``ROTATION_BYTES`` or a quarter of the free GPU memory), floating-point ones scaled by
+  ``1 + k * ROTATION_SCALE_STEP`` for copy ``k`` so that no two sets hold the same values. After
+  the measurement each kept timed output is compared with the candidate's own output for the same
+  set, called again untimed: a call that returns another set's output when it is timed (having
+  told timed calls from untimed ones) fails. A call that writes its own inputs (torch's version
+  counters move) is not checked: its outputs change from call to call by design;
 - no arguments (a closure, as in the seed example): nothing to vary.
 
 The outputs of a random sample of the timed calls (reservoir sampling, ``OUTPUTS_KEPT``, chosen
@@ -30,6 +34,10 @@ from kcoral.errors import ExecutionError
 
 MAX_ROTATED_SETS: Final = 64
 ROTATION_BYTES: Final = 1 << 30
+# 1/64: the largest scale stays below 2, and two sets differ by at least 1.5%, more than a bfloat16
+# ulp, so their values differ after rounding.
+ROTATION_SCALE_STEP: Final = 1.0 / 64
+SCALED_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
 OUTPUTS_KEPT: Final = 4
 # Tolerance of the rotated-clone check: the same inputs at another address must give the same
 # output, up to the nondeterminism of atomics and split reductions.
@@ -98,9 +106,28 @@ def plan_inputs(torch: Any, args: tuple[Any, ...], factory: InputFactory | None)
     if count < 2:
         return InputPlan(MODE_SAME, [args], note="the arguments are too large to clone")
     sets = [args]
-    for _ in range(count - 1):
-        sets.append(tuple(value.clone() if _is_cuda_tensor(torch, value) else value for value in args))
+    for k in range(1, count):
+        sets.append(tuple(_scaled_clone(torch, value, 1.0 + k * ROTATION_SCALE_STEP) for value in args))
     return InputPlan(MODE_ROTATED, sets)
+
+
+def _scaled_clone(torch: Any, value: Any, scale: float) -> Any:
+    if not _is_cuda_tensor(torch, value):
+        return value
+    copy = value.clone()
+    if str(copy.dtype).removeprefix("torch.") in SCALED_DTYPES:
+        copy.mul_(scale)
+    return copy
+
+
+def versions(torch: Any, inputs: tuple[Any, ...]) -> tuple[int, ...]:
+    """torch's version counters of the tensor inputs: they move when a call writes an input."""
+    return tuple(int(value._version) for value in inputs if isinstance(value, torch.Tensor))
+
+
+def keep_outputs_always(plan: InputPlan) -> bool:
+    """Fresh inputs from a factory: keep outputs even unchecked here, for a harness to check."""
+    return plan.mode == MODE_FACTORY
 
 
 def snapshot(torch: Any, value: Any) -> Any:
@@ -165,14 +192,14 @@ def check_outputs(
     kept: Sequence[KeptOutput],
     *,
     check: OutputCheck | None,
-    expected: Any,
+    expected: Callable[[KeptOutput], Any] | None,
     assert_close: Callable[..., None],
 ) -> int:
     """Check the kept outputs; the number checked. A failure raises ``ExecutionError("correctness")``.
 
     With ``check`` each output is passed to ``check(output, inputs)``, which fails by raising or by
-    returning False; otherwise, where every call had the same values (rotated clones), each must
-    equal ``expected``, the first call's output.
+    returning False; otherwise each must equal ``expected(kept)`` (rotated clones: the candidate's
+    own output for the same inputs, called again untimed).
     """
     checked = 0
     for item in sorted(kept, key=lambda k: k.call):
@@ -181,8 +208,8 @@ def check_outputs(
                 verdict = check(item.output, item.inputs)
                 if verdict is False:
                     raise AssertionError("the check returned False")
-            else:
-                _compare(torch, item.output, expected, assert_close)
+            elif expected is not None:
+                _compare(torch, item.output, expected(item), assert_close)
         except ExecutionError:
             raise
         except Exception as exc:

@@ -229,7 +229,8 @@ class ArmedState:
     trusted: Trusted
     modules: dict[str, types.ModuleType]
     snapshot: Snapshot
-    threads_at_arm: frozenset[int]
+    # The threads themselves, not their ids: an id is reused once a thread object is collected.
+    threads_at_arm: frozenset[threading.Thread]
     armed_at: float
     in_worker: bool
 
@@ -287,7 +288,7 @@ def arm(*, in_worker: bool = False, use_cupti: bool = True) -> ArmedState:
             trusted=_capture_trusted(),
             modules=modules,
             snapshot=take_snapshot(modules, tracer),
-            threads_at_arm=frozenset(id(thread) for thread in threading.enumerate()),
+            threads_at_arm=frozenset(threading.enumerate()),
             armed_at=time.time(),
             in_worker=in_worker,
         )

@@ -13,9 +13,15 @@ from kcoral.tools.adapter import UsageError, add_common_arguments, usage_error
 ADAPTERS: tuple[ModuleType, ...] = (python, ncu, sanitizer, iket, remote)
 
 
-def add_adapter_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], *, default_url: str | None) -> None:
+def add_adapter_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    *,
+    default_url: str | None,
+    default_keys: tuple[str | None, str | None] = (None, None),
+) -> None:
     """Add one subcommand per adapter; ``args.adapter(args)`` then runs it and returns the exit status.
-    ``default_url`` is the caller's reading of KCORAL_URL (only the CLI reads the environment)."""
+    ``default_url`` and ``default_keys`` are the caller's reading of KCORAL_URL, KCORAL_SERVER_KEY
+    and KCORAL_CLIENT_KEY (only the CLI reads the environment)."""
     for module in ADAPTERS:
         parser = sub.add_parser(
             module.NAME,
@@ -23,7 +29,7 @@ def add_adapter_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
             description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        add_common_arguments(parser, default_url=default_url)
+        add_common_arguments(parser, default_url=default_url, default_keys=default_keys)
         module.add_arguments(parser)
         parser.set_defaults(adapter=partial(_run_adapter, module))
 

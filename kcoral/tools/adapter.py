@@ -46,6 +46,7 @@ from kcoral import protocol
 from kcoral.client.program import Program
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import KCoralError
+from kcoral.keys import ClientKeys, KeyFileError
 from kcoral.protocol import check_relative_path
 from kcoral.tools import service_side
 
@@ -104,6 +105,7 @@ class AdapterOptions:
     timeout_seconds: float = protocol.DEFAULT_TIMEOUT_SECONDS
     connect_timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
     tool_args: list[str] = field(default_factory=list)
+    keys: ClientKeys | None = None
 
 
 def _timeout(text: str) -> float:
@@ -120,14 +122,21 @@ def _connect_timeout(text: str) -> float:
     return value
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, *, default_url: str | None) -> None:
-    """The flags of section 2 of the design, the same on every adapter."""
+def add_common_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    default_url: str | None,
+    default_keys: tuple[str | None, str | None] = (None, None),
+) -> None:
+    """The flags of section 2 of the design, the same on every adapter. ``default_keys`` is the
+    caller's reading of KCORAL_SERVER_KEY and KCORAL_CLIENT_KEY."""
     parser.add_argument(
         "--remote",
         metavar="URL",
         default=default_url,
         help="the service, e.g. tcp://host:5555 (default: $KCORAL_URL)",
     )
+    add_key_arguments(parser, default_keys)
     parser.add_argument(
         "--send",
         metavar="PATH",
@@ -160,6 +169,38 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_url: str | 
         help=f"seconds to wait for the service to answer at all (default {CONNECT_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument("tool_args", nargs=argparse.REMAINDER, help="the tool's own arguments, after --")
+
+
+def add_key_arguments(parser: argparse.ArgumentParser, defaults: tuple[str | None, str | None]) -> None:
+    """``--server-key`` and ``--client-key``, for a service that runs CurveZMQ."""
+    parser.add_argument(
+        "--server-key",
+        metavar="FILE",
+        default=defaults[0],
+        help="the service's public key file (NAME.key), for CurveZMQ (default: $KCORAL_SERVER_KEY)",
+    )
+    parser.add_argument(
+        "--client-key",
+        metavar="FILE",
+        default=defaults[1],
+        help="this client's secret key file (NAME.key_secret) (default: $KCORAL_CLIENT_KEY)",
+    )
+
+
+def keys_from_args(args: argparse.Namespace) -> ClientKeys | None:
+    """The client keys named by ``--server-key`` and ``--client-key``; UsageError when only one is
+    given or a file is not a key."""
+    server, client = getattr(args, "server_key", None), getattr(args, "client_key", None)
+    if not server and not client:
+        return None
+    if not server or not client:
+        raise UsageError(
+            "CurveZMQ needs both --server-key and --client-key (or KCORAL_SERVER_KEY and KCORAL_CLIENT_KEY)"
+        )
+    try:
+        return ClientKeys.from_files(Path(server), Path(client))
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def plan_send(path: str) -> Send:
@@ -207,6 +248,7 @@ def options_from_args(tool: str, args: argparse.Namespace) -> AdapterOptions:
         timeout_seconds=args.timeout,
         connect_timeout_seconds=args.connect_timeout,
         tool_args=tool_args,
+        keys=keys_from_args(args),
     )
 
 
@@ -291,7 +333,7 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
         # The remote output is shown as it comes; a status line on a terminal says what the program
         # waits for (upload, queue, GPU).
         with Client(
-            options.url, connect_timeout_seconds=options.connect_timeout_seconds, show_output=True
+            options.url, connect_timeout_seconds=options.connect_timeout_seconds, show_output=True, keys=options.keys
         ) as client:
             try:
                 result = client.execute(

@@ -57,6 +57,10 @@ def attack_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningB
         broker = start_broker(tmp_path_factory.mktemp("attack-broker"), "--sandbox", _sandbox_flag())
         yield broker
         broker.stop()
+
+
+def _write_table() -> None:
+    """Rewritten after each attack, so a run cut short keeps what it had."""
     table = os.environ.get(TABLE_ENV)
     if table and _outcomes:
         lines = [attacks.HEADER, *(outcome.line() for outcome in _outcomes)]
@@ -74,6 +78,7 @@ def attack_client(attack_broker: RunningBroker) -> Iterator[Client]:
 def test_attack_is_caught(attack: attacks.Attack, attack_client: Client, attack_broker: RunningBroker) -> None:
     outcome = attacks.run_attack(attack_client, attack_broker.url, attack)
     _outcomes.append(outcome)
+    _write_table()
     if attack.name == "child_process" and outcome.verdict == "CRASHED" and "IPC" in " ".join(outcome.notes):
         pytest.skip(f"CUDA IPC is refused here, so the attack cannot run: {outcome.notes}")
     assert outcome.verdict == "CAUGHT", outcome.line()

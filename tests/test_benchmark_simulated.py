@@ -1,0 +1,242 @@
+"""benchmark() end to end on the CPU, with stand-ins for what needs a GPU: torch.cuda's entry points
+run on the CPU, and a CUPTI tracer that writes one activity record for each span between the
+timer's push and pop of an external id (as CUPTI would for the work launched inside it).
+
+This runs the real loop, windows, trusted-state checks, inputs, output checks and findings; what it
+cannot show (real records, real timing) the GPU tests do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kcoral.errors import ExecutionError
+from kcoral.timing import timers, trust
+from kcoral.timing.benchmark import benchmark
+from kcoral.timing.cupti import SENTINEL_ID_OFFSET, Activity, TraceRecords
+
+torch = pytest.importorskip("torch")
+
+CONFIG = {"clock_warmup_ms": 0, "warmup": 2, "repeat": 12}
+
+
+class SimulatedTracer:
+    """Writes a kernel record for every push..pop span (a memcpy too for the sentinel)."""
+
+    def __init__(self) -> None:
+        self._correlations = itertools.count(1)
+        self._stack: list[tuple[int, int]] = []
+        self._records = TraceRecords()
+        self._enabled: list[Any] = []
+        self.popped_wrong: list[int] = []  # a list, changed in place: the tracer's own state is watched
+
+    def timestamp(self) -> int:
+        return time.perf_counter_ns()
+
+    def enable(self, *, correlation: bool) -> None:
+        self._enabled.append("on")
+
+    def disable(self) -> None:
+        self._enabled.clear()
+
+    def push(self, external_id: int) -> None:
+        self._stack.append((external_id, self.timestamp()))
+
+    def pop(self) -> int | None:
+        external_id, started = self._stack.pop()
+        ended = self.timestamp()
+        if self._enabled:
+            kinds = ["concurrent_kernel"]
+            if (external_id % (1 << 20)) >= SENTINEL_ID_OFFSET:
+                kinds.append("memcpy")
+            for kind in kinds:
+                correlation = next(self._correlations)
+                self._records.activities.append(Activity(kind, correlation, started, max(ended, started + 1), "k"))
+                self._records.external[correlation] = external_id
+        return self.popped_wrong[0] if self.popped_wrong else external_id
+
+    def launch(self, duration_ns: int) -> None:
+        """Work launched by code that pushed no id (another thread): recorded, with no external id."""
+        started = self.timestamp()
+        self._records.activities.append(
+            Activity("concurrent_kernel", next(self._correlations), started, started + duration_ns, "gemm")
+        )
+
+    def drain(self) -> TraceRecords:
+        records, self._records = self._records, TraceRecords()
+        return records
+
+    def foreign_subscriber(self) -> str | None:
+        return None
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: Event) -> float:
+        return (other.at - self.at) * 1e3
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(cuda, "get_device_properties", lambda device: type("P", (), {"L2_cache_size": 1 << 16})())
+    monkeypatch.setattr(cuda, "get_device_name", lambda device=None: "simulated")
+    monkeypatch.setattr(cuda, "mem_get_info", lambda: (1 << 34, 1 << 34))
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(cuda, "Event", Event)
+    monkeypatch.setattr("kcoral.timing.inputs._is_cuda_tensor", lambda torch, value: isinstance(value, torch.Tensor))
+    tracer = SimulatedTracer()
+    state = trust.ArmedState(
+        tracer=tracer,  # type: ignore[arg-type]
+        cupti_error=None,
+        trusted=trust._capture_trusted(),
+        modules={},
+        snapshot=trust.Snapshot(),
+        threads_at_arm=frozenset(),
+        armed_at=time.time(),
+        in_worker=False,
+    )
+    base = trust.arm(use_cupti=False)  # the real modules and snapshot, taken with the stand-ins in place
+    state = dataclasses.replace(state, modules=base.modules, snapshot=trust.take_snapshot(base.modules, tracer))  # type: ignore[arg-type]
+    state = dataclasses.replace(state, threads_at_arm=base.threads_at_arm)
+    monkeypatch.setattr(trust, "_ARMED", state)
+    yield tracer
+
+
+def test_a_closure_is_timed_and_reads_ok(simulated_gpu: SimulatedTracer) -> None:
+    x = torch.ones(1024)
+
+    def candidate() -> None:
+        x.add_(1.0)
+
+    result = benchmark(candidate, config=CONFIG)
+    assert result["method"] == "cupti" and result["samples"] == 12
+    assert result["integrity"] == {"verdict": "ok", "reasons": []}, result["integrity"]
+    assert result["inputs"]["mode"] == "none" and result["outputs_checked"] == 0
+    assert result["host_ms_median"] is not None and result["latency_ms_median"] > 0
+
+
+def test_arguments_are_rotated_and_outputs_checked(simulated_gpu: SimulatedTracer) -> None:
+    seen: set[int] = set()
+
+    def double(a: Any) -> Any:
+        seen.add(a.data_ptr())
+        return a * 2
+
+    result = benchmark(double, torch.ones(4096), config=CONFIG)
+    assert result["inputs"]["mode"] == "rotated_clones" and result["inputs"]["sets"] > 1
+    assert result["outputs_checked"] >= 1
+    assert len(seen) > 1
+    assert result["integrity"]["verdict"] == "ok", result["integrity"]
+
+
+def test_a_stale_output_when_timed_fails_the_check(simulated_gpu: SimulatedTracer) -> None:
+    last: dict[str, Any] = {}
+
+    def stale(a: Any) -> Any:
+        timed = any(frame.function == "timed_calls" for frame in __import__("inspect").stack())
+        if timed and "out" in last:
+            return last["out"]
+        last["out"] = a * 2
+        return last["out"]
+
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(stale, torch.ones(4096), config=CONFIG)
+    assert caught.value.kind == "correctness"
+
+
+def test_a_factory_and_a_check(simulated_gpu: SimulatedTracer) -> None:
+    result = benchmark(
+        lambda a: a + 1,
+        inputs=lambda index: (torch.full((8,), float(index)),),
+        check=lambda out, args: bool(torch.equal(out, args[0] + 1)),
+        config=CONFIG,
+    )
+    assert result["inputs"]["mode"] == "factory" and result["outputs_checked"] >= 1
+
+
+def test_a_patched_timer_fails_with_integrity(simulated_gpu: SimulatedTracer, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = timers.CuptiTimer.measure
+
+    def candidate(a: Any) -> Any:
+        timers.CuptiTimer.measure = lambda self, *args, **kwargs: original(self, *args, **kwargs)  # type: ignore[method-assign]
+        return a * 2
+
+    try:
+        with pytest.raises(ExecutionError) as caught:
+            benchmark(candidate, torch.ones(16), config=CONFIG)
+    finally:
+        timers.CuptiTimer.measure = original  # type: ignore[method-assign]
+    assert caught.value.kind == "integrity"
+    assert "CuptiTimer.measure was replaced" in caught.value.message
+
+
+def test_a_changed_correlation_stack_fails_with_integrity(simulated_gpu: SimulatedTracer) -> None:
+    simulated_gpu.popped_wrong.append(12345)
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(lambda: None, config=CONFIG)
+    assert caught.value.kind == "integrity" and "12345" in caught.value.message
+
+
+def test_defences_off_is_marked_suspect(simulated_gpu: SimulatedTracer) -> None:
+    x = torch.ones(8)
+    result = benchmark(lambda: x.add_(1.0), config={**CONFIG, "defences": False})
+    assert result["integrity"]["verdict"] == "suspect"
+    assert "defences were turned off" in result["integrity"]["reasons"][0]
+
+
+def test_work_another_thread_launches_inside_the_window_is_counted(simulated_gpu: SimulatedTracer) -> None:
+    import queue
+    import threading
+
+    jobs: queue.Queue[threading.Event | None] = queue.Queue()
+
+    def serve() -> None:
+        while (done := jobs.get()) is not None:
+            simulated_gpu.launch(2_000_000)  # a 2 ms GEMM, recorded with no external id
+            done.set()
+
+    helper = threading.Thread(target=serve, daemon=True)
+    helper.start()
+
+    def through_helper() -> None:
+        done = threading.Event()
+        jobs.put(done)
+        done.wait()
+
+    try:
+        result = benchmark(through_helper, config=CONFIG)
+    finally:
+        jobs.put(None)
+        helper.join()
+    assert result["latency_ms_median"] >= 2.0, result
+    assert result["integrity_details"]["foreign_activities"] == 0
+
+
+def test_work_launched_after_the_call_returned_is_foreign(simulated_gpu: SimulatedTracer) -> None:
+    import threading
+
+    def late() -> None:
+        threading.Timer(0.002, simulated_gpu.launch, args=(1_000_000,)).start()
+
+    result = benchmark(late, config=CONFIG)
+    time.sleep(0.01)
+    assert result["integrity"]["verdict"] == "suspect"
+    assert any("between the timed calls" in reason for reason in result["integrity"]["reasons"]), result["integrity"]
