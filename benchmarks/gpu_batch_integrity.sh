@@ -9,7 +9,7 @@
 # Installs the wheels in .whl/ (when there) and the project, non-editable, into the interpreter's
 # own site-packages (a bubblewrap sandbox sees those), then runs each step with its own time limit,
 # one log per step under $OUT and a summary in $OUT/summary.txt. A failing step does not stop the
-# others. The limits add up to 8.5 minutes; expect about 6 and a half.
+# others. The limits add up to under 9 minutes; the first run on the H200 took 4.
 #
 # What to read afterwards:
 #   $OUT/attacks.txt         one line per attack: honest ms, reported ms, ratio, verdict, how
@@ -93,6 +93,6 @@ stop_broker
 trap - EXIT
 
 # The defences' cost on the honest workloads' total benchmark() time (on and off, alternating).
-step defences-cost 30 "$PY" benchmarks/timing.py --defences-cost 2 --json "$OUT/defences-cost.json"
+step defences-cost 50 "$PY" benchmarks/timing.py --defences-cost 3 --json "$OUT/defences-cost.json"
 
 echo "done; logs in $OUT" | tee -a "$SUMMARY"

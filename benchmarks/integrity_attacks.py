@@ -909,6 +909,8 @@ class Outcome:
     ratio: float | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    host_ms: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)  # the report's integrity_details
 
     def line(self) -> str:
         def ms(value: float | None) -> str:
@@ -935,6 +937,8 @@ def _judge_timing(outcome: Outcome, honest_ms: float | None, report: dict[str, A
         return outcome
     integrity = report.get("integrity") or {}
     outcome.reported_ms = report.get("latency_ms_median")
+    outcome.host_ms = report.get("host_ms_median")
+    outcome.details = report.get("integrity_details") or {}
     if honest_ms and outcome.reported_ms is not None:
         outcome.ratio = outcome.reported_ms / honest_ms
     if integrity.get("verdict") == "suspect":

@@ -106,8 +106,8 @@ def test_the_hold_and_the_timers_gap_work_are_not_counted_or_foreign() -> None:
     assert timings.foreign == []
     assert (timings.holds_seen, timings.gaps_seen) == (1, 1)
     assert timings.sentinels_seen == frozenset({"concurrent_kernel"})
-    # Host time from the end of the hold (1_900) to the device being idle (5_000).
-    assert timings.host_ms[0] == pytest.approx(0.0031)
+    # Host time: the call itself (1_100 .. 1_200), then from the end of the hold (1_900) to idle (5_000).
+    assert timings.host_ms[0] == pytest.approx(0.0032)
 
 
 def test_work_between_the_calls_that_is_not_the_timers_is_foreign() -> None:
@@ -154,7 +154,18 @@ def test_a_call_that_launched_nothing_is_empty_and_still_has_a_host_time() -> No
 def test_host_time_without_a_hold_record_starts_at_the_estimated_end_of_the_hold() -> None:
     window = CallWindow(0, 1_000, 1_100, 1_200, 9_000, hold_ns=3_000)
     timings = attribute([kernel(1, 4_100, 8_900)], {1: BASE}, [window], BASE)
-    assert timings.host_ms == [pytest.approx((9_000 - 4_000) / 1e6)]
+    assert timings.host_ms == [pytest.approx((100 + 9_000 - 4_000) / 1e6)]
+
+
+def test_a_call_that_waits_on_the_host_inside_its_hold_shows_in_the_host_time() -> None:
+    """The child-process attack: the call blocks 300 us for another process's GEMM while its hold,
+    sized from that long call, still spins; the GPU sees only a one-element add after the hold."""
+    window = CallWindow(0, 1_000, 1_100, 301_100, 900_100)
+    activities = [kernel(1, 1_010, 900_000, "spin"), kernel(2, 900_010, 900_050, "touch")]
+    timings = attribute(activities, {1: BASE + HOLD_ID_OFFSET, 2: BASE}, [window], BASE)
+    assert timings.spans_ms == [pytest.approx(0.00004)]
+    assert timings.host_ms[0] > 0.3
+    assert host_gap_reason(timings.spans_ms[0], timings.host_ms[0]) is not None
 
 
 def test_launches_after_the_hold_ended_make_a_call_late() -> None:

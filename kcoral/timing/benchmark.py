@@ -42,7 +42,15 @@ from kcoral.timing.nvml import (
     throttle_reason_names,
 )
 from kcoral.timing.stats import count_from_budget, summarize
-from kcoral.timing.timers import CuptiTimer, EventTimer, Measurement, Runner, initial_hold_us
+from kcoral.timing.timers import (
+    UNHELD_MEASURE,
+    UNHELD_STATE,
+    CuptiTimer,
+    EventTimer,
+    Measurement,
+    Runner,
+    initial_hold_us,
+)
 from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, verify
 
 DEFENCES_OFF_REASON: Final = "the integrity defences were turned off (config defences=False)"
@@ -173,10 +181,12 @@ def benchmark(
     ``host_ms_median``/``_min``/``_max`` (synchronised host wall time per call), ``warmup`` and
     ``repeat``, ``flush_l2``, ``activities_stable``, ``method`` (``"cupti"`` or ``"cuda_event"``)
     and ``cupti_error`` (why CUPTI is not used), ``inputs`` (how calls got their inputs),
-    ``outputs_checked``, ``latency_ms_median_by`` (``span``, the one reported; ``ready_span``;
-    ``busy``; ``cuda_event``), ``launch_hold``, ``launch_hold_us``, ``launch_late_calls``, the SM
-    clock and throttle reasons before and after, ``gpu``, and ``integrity``: ``verdict`` (``"ok"``
-    or ``"suspect"``) and ``reasons`` (see ``kcoral.timing.findings``).
+    ``outputs_checked``, ``latency_measure`` (``span``: first start to last end; ``busy``, the time
+    any activity ran, for calls with work on another stream, which no hold holds),
+    ``latency_ms_median_by`` (``span``, ``ready_span``, ``busy``, ``cuda_event``), ``launch_hold``,
+    ``launch_hold_us``, ``launch_late_calls``, the SM clock and throttle reasons before and after,
+    ``gpu``, and ``integrity``: ``verdict`` (``"ok"`` or ``"suspect"``) and ``reasons`` (see
+    ``kcoral.timing.findings``).
 
     Raises ``ExecutionError``: ``parse`` for a bad config, ``unavailable`` when there is no GPU or
     the call launches no GPU work, ``correctness`` when a checked output is wrong, ``integrity``
@@ -307,11 +317,14 @@ def _run(
         else None
     )
     hold_ns = int(hold_us * 1e3) if hold_cycles else 0
+    unheld = hold_state.startswith(UNHELD_STATE)
     if defences:
         with QuietInterpreter(trusted):
-            measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, reservoir=reservoir)
+            measurement, after = timer.measure(
+                runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, reservoir=reservoir, busy=unheld
+            )
     else:
-        measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns)
+        measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, busy=unheld)
     reasons = list(measurement.reasons)
     if watch is not None:
         reasons.extend(watch.finish())
@@ -357,6 +370,7 @@ def _run(
             "activities_per_call": measurement.activities_per_call,
             "method": timer.method,
             "latency_ms_median_by": measurement.by_estimate,
+            "latency_measure": UNHELD_MEASURE if unheld and isinstance(timer, CuptiTimer) else "span",
             "launch_hold": hold_state,
             "launch_hold_us": round(hold_us, 1) if hold_cycles else 0.0,
             "launch_late_calls": measurement.late_calls,

@@ -75,8 +75,9 @@ class WindowTimings:
     - ``spans_ms``: first start to last end of the call's work (the reported latency).
     - ``ready_spans_ms``: from the end of the hold (or the first start, if earlier) to the last end.
     - ``busy_ms``: the time during which at least one of the call's activities ran.
-    - ``host_ms``: synchronised host wall time per call, from the call (or the end of its hold, if
-      later) to the device being idle after it; for every call, empty ones included.
+    - ``host_ms``: synchronised host wall time per call: the call's own time on the host, plus the
+      wait for the device after it returned (from the end of its hold, if later); for every call,
+      empty ones included.
     - ``late_calls``: calls whose own launches returned after their hold had ended.
     - ``unheld_calls``: calls with work that started before their hold ended (another stream).
     - ``other_thread_activities``: counted activities that the calling thread did not launch.
@@ -198,9 +199,14 @@ def attribute(
     for window in windows:
         index = window.index
         hold_end = hold_ends.get(index)
+        # The call's own host time, then the wait for the device after it returned, counted from the
+        # end of the hold if that came later (the held GPU could not start before). Measured from the
+        # end of the hold alone, a call that waits on the host for another process's GEMM hid the
+        # wait inside the hold, which is sized from the call's host time.
         released = hold_end if hold_end is not None else window.begin_ns + window.hold_ns
-        host_from = max(window.call_ns, released)
-        timings.host_ms.append(max(0, window.end_ns - host_from) / 1e6)
+        in_call = max(0, window.return_ns - window.call_ns)
+        after = max(0, window.end_ns - max(window.return_ns, released))
+        timings.host_ms.append((in_call + after) / 1e6)
         if hold_end is not None and last_api.get(index, 0) > hold_end:
             late += 1
         work = counted.get(index)

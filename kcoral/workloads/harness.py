@@ -42,7 +42,7 @@ TIMING_FIELDS: Final = (
     "latency_ms_median", "latency_ms_mean", "latency_ms_min", "latency_ms_max", "latency_ms_std",
     "host_ms_median", "host_ms_min", "host_ms_max", "method", "cupti_error", "warmup", "repeat",
     "activities_stable", "activities_per_call", "launch_hold", "inputs", "outputs_checked",
-    "sm_clock_mhz_after", "throttled", "gpu", "integrity",
+    "sm_clock_mhz_after", "throttled", "gpu", "integrity", "integrity_details", "latency_measure",
 )  # fmt: skip
 
 
