@@ -51,6 +51,16 @@ class Request:
     def __post_init__(self) -> None:
         self.owner = self.owner or self.client
 
+    def describe(self, now: float) -> dict[str, Any]:
+        """A row of health's programs in flight."""
+        return {
+            "request_id": self.id,
+            "client": self.client.decode(errors="replace"),
+            "state": self.state,
+            "age_s": round(now - self.received_at, 3),
+            "gpu_ids": list(self.gpu_ids),
+        }
+
 
 class FromClient(Protocol):
     owner: bytes

@@ -16,12 +16,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
+
+if TYPE_CHECKING:
+    from kcoral.broker.settings import BrokerSettings
+    from kcoral.broker.target import TargetInfo
 
 log = structlog.get_logger("kcoral.supervisor")
 
@@ -252,6 +256,35 @@ class Supervisor:
             if not found or time.monotonic() > deadline:
                 return
             await asyncio.sleep(ORPHAN_POLL_SECONDS)
+
+
+def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, connect: str) -> list[SlotSpec]:
+    """One slot per worker: ``workers_per_gpu`` on each leased GPU, or ``workers`` without GPUs;
+    each a zygote command in its sandbox (checked once here: SandboxUnavailable otherwise)."""
+    from kcoral.sandbox.launcher import zygote_launcher
+
+    launcher = zygote_launcher(settings, run_dir)
+    if target.lease_gpus:
+        placement: list[int | None] = [g for g in target.lease_gpus for _ in range(settings.workers_per_gpu)]
+    else:
+        placement = [None] * settings.workers
+    # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
+    gpu_nodes = launcher.gpu_binds(target)
+    specs: list[SlotSpec] = []
+    for slot, gpu in enumerate(placement):
+        workspace = run_dir / "slots" / str(slot)
+        argv = zygote_command(
+            connect=connect,
+            slot=slot,
+            gpu=gpu,
+            workspace=launcher.workspace_inside(workspace),
+            max_programs=settings.max_programs_per_worker,
+            limits=settings.limits,
+            preload=settings.preload,
+        )
+        argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
+        specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
+    return specs
 
 
 def zygote_command(
