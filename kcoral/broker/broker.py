@@ -22,14 +22,16 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.broker import slots
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
 from kcoral.broker.requests import Request, RequestQueue, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import SlotSpec, Supervisor, WorkerExit, zygote_command
+from kcoral.broker.supervisor import Supervisor, WorkerExit, slot_specs
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
+from kcoral.broker.workers import WorkerPool
 from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.service import auth
 from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
@@ -49,17 +51,15 @@ CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
 # rate are dropped before they are decoded; a program that floods them costs the loop little.
 PROGRESS_PER_SECOND = 50.0
 PROGRESS_BURST = 100.0
-MAX_REMEMBERED_EXITS = 10_000
-MAX_EARLY_READY = 1024
-EARLY_READY_SECONDS = 10.0
 
 
 class Broker:
     """Serves programs from clients to workers on one host.
 
     It holds a :class:`~kcoral.service.shell.ServiceShell` (the client socket, receive loop,
-    replies, requests in flight, tasks and lifecycle) and a :class:`ProgramIntake` (EXECUTE and
-    BLOBS), and runs the workers' side itself: READY, leases, results and exits.
+    replies, requests in flight, tasks and lifecycle), a :class:`ProgramIntake` (EXECUTE and
+    BLOBS) and a :class:`WorkerPool` (which workers may take programs), and runs the programs'
+    way through them itself: dispatch, leases, results, timeouts and exits.
     """
 
     def __init__(self, settings: BrokerSettings) -> None:
@@ -81,6 +81,7 @@ class Broker:
                 memory_bytes=settings.cache_bytes,
                 disk_dir=cache_dir,
                 disk_bytes=settings.cache_disk_bytes,
+                disk_writable_by_others=settings.sandbox != "bubblewrap",
             )
         )
         # One frame larger than a client may have in uploads at once could never be accepted, and
@@ -137,45 +138,16 @@ class Broker:
                 protocol.TARGET: self.shell.answer(lambda: self.target_wire),
             }
         )
-        self.workers: dict[bytes, Worker] = {}
-        self.idle: dict[bytes, Worker] = {}
-        self.exited: dict[bytes, WorkerExit] = {}
         self.backend = router_socket(self.shell.context)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
-        self.supervisor = Supervisor(self._slot_specs(), self._on_worker_exit, self._on_worker_forked)
-        # READYs that arrived before their zygote's "forked" event was read.
-        self.early_ready: dict[bytes, dict[str, Any]] = {}
+        specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint)
+        self.supervisor = Supervisor(specs, self._on_worker_exit, self._on_worker_forked)
+        self.pool = WorkerPool(self.supervisor.states)
+        self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
         self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
     # --- setup ---
-
-    def _slot_specs(self) -> list[SlotSpec]:
-        from kcoral.sandbox.launcher import zygote_launcher
-
-        # Checks once that bwrap runs (SandboxUnavailable otherwise), not once per slot.
-        launcher = zygote_launcher(self.settings, self.run_dir)
-        slots: list[SlotSpec] = []
-        if self.gpu_ids:
-            placement: list[int | None] = [g for g in self.gpu_ids for _ in range(self.settings.workers_per_gpu)]
-        else:
-            placement = [None] * self.settings.workers
-        # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
-        gpu_nodes = launcher.gpu_binds(self.target)
-        for slot, gpu in enumerate(placement):
-            workspace = self.run_dir / "slots" / str(slot)
-            argv = zygote_command(
-                connect=self.worker_endpoint,
-                slot=slot,
-                gpu=gpu,
-                workspace=launcher.workspace_inside(workspace),
-                max_programs=self.settings.max_programs_per_worker,
-                limits=self.settings.limits,
-                preload=self.settings.preload,
-            )
-            argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
-            slots.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
-        return slots
 
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
@@ -216,6 +188,10 @@ class Broker:
             sandbox=self.settings.sandbox,
             instance_id=self.instance_id,
         )
+        if self.settings.sandbox == "none":
+            # Loud: programs then share the broker's user, files and network, and nothing but the
+            # process limits stands between them (see the README, "Worker limits").
+            log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
 
     async def _release(self) -> None:
         if self.upstream is not None:
@@ -249,11 +225,11 @@ class Broker:
     def _dispatch(self) -> None:
         if self.shell.stopping:
             return
-        while self.idle:
+        while self.pool.idle:
             request = self.queue.pop()
             if request is None:
                 return
-            worker = self._pick_worker(request.gpu_count)
+            worker = self.pool.pick(request.gpu_count, self._gpu_load())
             if worker is None:
                 # Every idle worker is a reused one confined to a different number of GPUs (see
                 # kcoral.worker.confinement): retire one; its slot's fresh worker takes the program.
@@ -263,9 +239,8 @@ class Broker:
             self._start(request, worker)
 
     def _retire_idle_worker(self) -> None:
-        identity, worker = self.idle.popitem()
-        self.workers.pop(identity, None)
-        log.info("worker_retired", worker=identity.decode(), reason="confined to other GPUs")
+        worker = self.pool.take_any_idle()
+        log.info("worker_retired", worker=worker.identity.decode(), reason="confined to other GPUs")
         self.supervisor.kill_worker(worker.slot)
 
     def _gpu_load(self) -> dict[int, int]:
@@ -277,24 +252,13 @@ class Broker:
                     load[gpu] += 1
         return load
 
-    def _pick_worker(self, gpu_count: int) -> Worker | None:
-        """The least busy idle worker that can run a program on ``gpu_count`` GPUs, if any."""
-        load = self._gpu_load()
-
-        def busyness(identity: bytes) -> tuple[int, int]:
-            worker = self.idle[identity]
-            return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
-
-        fits = [i for i, w in self.idle.items() if w.gpu_view is None or len(w.gpu_view) == gpu_count]
-        return self.idle.pop(min(fits, key=busyness)) if fits else None
-
     def _start(self, request: Request, worker: Worker) -> None:
         try:
             sent, frames, paths = self.intake.worker_blobs(request)
         except KeyError:
             # A disk copy turned out corrupt or unreadable and was dropped: the client sends it again.
             log.warning("request_blob_lost", request_id=request.id)
-            self.idle[worker.identity] = worker
+            self.pool.idle[worker.identity] = worker
             self.intake.negotiate(request, progressed=True)
             return
         if request.gpu_count and worker.gpu_view is not None:
@@ -308,6 +272,7 @@ class Broker:
         request.started_at = time.monotonic()
         request.worker = worker
         worker.request_id = request.id
+        worker.programs += 1
         body = {
             "request_id": request.id,
             "program": request.program,
@@ -322,7 +287,7 @@ class Broker:
             send_now(self.backend, [worker.identity, *message])
         except zmq.ZMQError as exc:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
-            self.workers.pop(worker.identity, None)
+            self.pool.forget(worker)
             worker.request_id = None
             request.state = "queued"
             self.queue.push_front(request)
@@ -358,22 +323,24 @@ class Broker:
 
     # --- workers ---
 
-    async def _worker_loop(self) -> None:
-        await receive_forever(self.backend, self._handle_worker, "worker_message_failed")
-
     def _handle_worker(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
         if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
             return  # dropped before it is decoded: see PROGRESS_PER_SECOND
         try:
+            oversized = slots.oversized_result([f.buffer for f in frames[1:]])
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
             log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
+            self._fail_unreadable_result(identity, oversized, exc)
+            return
+        if oversized is not None:
+            self._fail_unreadable_result(identity, oversized, None)
             return
         if command == protocol.READY:
             self._on_ready(identity, body)
             return
-        worker = self.workers.get(identity)
+        worker = self.pool.workers.get(identity)
         if worker is None:
             return
         request = self.requests.get(worker.request_id or "")
@@ -382,8 +349,6 @@ class Broker:
         if command == protocol.LEASE:
             if request.lease_task is None or request.lease_task.done():
                 request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
-        elif command == protocol.RELEASE:
-            self.leases.release(request.id)
         elif command == protocol.PROGRESS:
             self._on_progress(request, body)
         elif command == protocol.RESULT:
@@ -401,48 +366,32 @@ class Broker:
                 self.tell(request, piece)
 
     def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
-        slot = body.get("slot")
-        if not isinstance(slot, int) or slot not in self.supervisor.states:
-            log.warning("bad_ready", worker=identity.decode(errors="replace"))
-            return
-        if identity in self.exited or identity in self.workers:
-            return  # it died before its READY was read, or says READY twice
-        if self.supervisor.states[slot].worker != identity.decode(errors="replace"):
-            # Only the worker its zygote forked may take programs: anything else that reaches the
-            # socket (a program, say) must never be handed other clients' work. The forked event
-            # may simply not have been read yet: keep the READY a while.
-            if len(self.early_ready) < MAX_EARLY_READY:
-                self.early_ready[identity] = body
-                asyncio.get_running_loop().call_later(EARLY_READY_SECONDS, self._forget_early_ready, identity)
-            return
-        gpu = self.supervisor.states[slot].spec.gpu
-        worker = Worker(identity, slot, gpu, int(body.get("pid") or 0))
-        self.workers[identity] = worker
-        self.idle[identity] = worker
-        log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
-        if not self.ready_announced and len(self.idle) >= len(self.supervisor.slots):
-            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
-            self.ready_announced = True
-            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.idle), gpus=list(self.gpu_ids))
-        self._dispatch()
+        if self.pool.ready(identity, body) is not None:
+            self._worker_joined()
 
     def _on_worker_forked(self, slot: int, worker: str) -> None:
-        body = self.early_ready.pop(worker.encode(), None)
-        if body is not None and body.get("slot") == slot:
-            self._on_ready(worker.encode(), body)
+        if self.pool.forked(slot, worker) is not None:
+            self._worker_joined()
 
-    def _forget_early_ready(self, identity: bytes) -> None:
-        if self.early_ready.pop(identity, None) is not None:
-            log.warning("ready_from_unknown_worker", worker=identity.decode(errors="replace"))
+    def _worker_joined(self) -> None:
+        if not self.ready_announced and len(self.pool.idle) >= len(self.supervisor.slots):
+            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
+            self.ready_announced = True
+            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.pool.idle), gpus=list(self.gpu_ids))
+        self._dispatch()
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
         try:
-            await self.leases.acquire(request.id, request.gpu_ids)
+            grant = await self.leases.acquire(request.id, request.gpu_ids)
         except (LeaseReclaimed, asyncio.CancelledError):
             return
-        if self.requests.get(request.id) is not request or request.state != "running":
+        if self.requests.get(request.id) is not request or request.state != "running" or worker.exited:
             self.leases.release(request.id)
             return
+        # Held until the zygote reports this worker's exit (see _on_worker_exit), whatever the
+        # worker says: until then its program could still run work on the GPU.
+        self.held_leases[worker.identity] = request.id
+        request.lease_times = (grant.requested_at, grant.granted_at)
         try:
             send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
@@ -451,17 +400,23 @@ class Broker:
     def _on_result(self, request: Request, worker: Worker, body: dict[str, Any], data: list[Any]) -> None:
         worker.request_id = None
         if worker.exited:
-            self.workers.pop(worker.identity, None)
-        self.leases.release(request.id)
+            self.pool.forget(worker)
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
-        if info.get("reusable") and worker.identity in self.workers:
+        reusable = slots.reusable(worker, self.settings.max_programs_per_worker)
+        if info.get("reusable") and reusable and worker.identity in self.pool.workers:
+            holder = self.held_leases.pop(worker.identity, None)
+            if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
+                self.leases.release(holder)
             view = info.get("gpu_view")
             if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
                 worker.gpu_view = tuple(sorted(view))
-            self.idle[worker.identity] = worker
-        elif info.get("retire_reason"):
-            log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+            self.pool.idle[worker.identity] = worker
+        else:
+            if info.get("retire_reason"):
+                log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+            if not worker.exited:
+                self.supervisor.prepare_next_worker(worker.slot)
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.
@@ -478,50 +433,71 @@ class Broker:
         result = protocol.with_broker_fields(
             body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
         )
+        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
         self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
 
     def _on_worker_exit(self, exit: WorkerExit) -> None:
-        identity = exit.worker.encode()
-        self.exited[identity] = exit
-        if len(self.exited) > MAX_REMEMBERED_EXITS:
-            self.exited.pop(next(iter(self.exited)))
-        self.idle.pop(identity, None)
-        worker = self.workers.get(identity)
+        holder = self.held_leases.pop(exit.worker.encode(), None)
+        if holder is not None:
+            # The worker and all it started are gone (the zygote says so only then): the GPU is free.
+            self.leases.reclaim(holder)
+        worker = self.pool.exit(exit)
         if worker is None or worker.request_id is None:
-            self.workers.pop(identity, None)
             return
         request = self.requests.get(worker.request_id)
         if request is None:
-            self.workers.pop(identity, None)
+            self.pool.forget(worker)
             return
-        # Keep the worker known for a moment: its RESULT may still be queued in the socket.
-        worker.exited = True
-        self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
+        # The worker stays known for a moment: its RESULT may still be queued in the socket.
         clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
         grace = CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
         asyncio.get_running_loop().call_later(grace, self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
-        self.workers.pop(worker.identity, None)
+        self.pool.forget(worker)
         if self.requests.get(request.id) is not request or request.worker is not worker:
             return
         index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
+        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
+        message = f"worker exited while executing the instruction ({exit.describe()})"
+        self._finish_failed(request, "runtime", message, index)
+
+    def _fail_unreadable_result(
+        self, identity: bytes, oversized: str | None, exc: protocol.WireError | None
+    ) -> None:
+        """A message from a running worker that cannot become a FINAL: fail its program clearly."""
+        worker = self.pool.workers.get(identity)
+        request = self.requests.get(worker.request_id or "") if worker is not None else None
+        if request is None or worker is None:
+            return
+        log.warning("unreadable_result", request_id=request.id, worker=identity.decode(), error=oversized or str(exc))
+        if oversized is not None:
+            self._finish_error(request, "response_too_large", oversized)
+        else:
+            self._finish_failed(request, "serialization", f"the worker's result could not be read: {exc}", None)
+
+    def _finish_failed(self, request: Request, kind: str, message: str, index: int | None) -> None:
+        """Answer a running program with a FAILED result the broker writes itself."""
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
-        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
-        error = protocol.instruction_error(
-            "runtime", f"worker exited while executing the instruction ({exit.describe()})", index, ins
-        )
+        lease_wait_ms, lease_held_ms = slots.lease_times(request.lease_times, time.monotonic())
         result = protocol.program_result(
             request.id,
-            error=error,
+            error=protocol.instruction_error(kind, message, index, ins),
             queue_ms=(request.started_at - request.queued_at) * 1000,
             elapsed_ms=(time.monotonic() - request.started_at) * 1000,
+            lease_wait_ms=lease_wait_ms,
+            lease_held_ms=lease_held_ms,
             gpu_ids=request.gpu_ids,
             node_id=self._node_id(),
         )
+        worker = request.worker
         self._finish(request, protocol.final_body(request.id, result), [])
+        if worker is not None and not worker.exited:
+            worker.request_id = None
+            self.pool.forget(worker)
+            self.supervisor.kill_worker(worker.slot)
         self._dispatch()
 
     def _node_id(self) -> str | None:
@@ -538,7 +514,8 @@ class Broker:
             request.timer.cancel()
         if request.lease_task is not None:
             request.lease_task.cancel()
-        self.leases.reclaim(request.id)
+        if request.worker is None or self.held_leases.get(request.worker.identity) != request.id:
+            self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
         self.intake.uploads.release(request.id)
         if request.state == "queued":
@@ -568,7 +545,7 @@ class Broker:
         if running and worker is not None:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
-            self.workers.pop(worker.identity, None)
+            self.pool.forget(worker)
             self.supervisor.kill_worker(worker.slot)
         self._dispatch()
 
@@ -613,18 +590,6 @@ class Broker:
 
     # --- status ---
 
-    def _program_rows(self, now: float) -> list[dict[str, Any]]:
-        return [
-            {
-                "request_id": r.id,
-                "client": r.client.decode(errors="replace"),
-                "state": r.state,
-                "age_s": round(now - r.received_at, 3),
-                "gpu_ids": list(r.gpu_ids),
-            }
-            for r in self.requests
-        ]
-
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
         running = sum(1 for r in self.requests if r.state == "running")
@@ -644,15 +609,15 @@ class Broker:
             },
             "workers": {
                 "slots": len(self.supervisor.slots),
-                "idle": len(self.idle),
-                "busy": sum(1 for w in self.workers.values() if w.request_id is not None),
+                **self.pool.snapshot(),
                 "zygotes": self.supervisor.snapshot(),
             },
             "leases": self.leases.snapshot(),
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
             "counters": self.metrics.counters(),
-            **programs_in_flight(self._program_rows(now)),
+            **programs_in_flight([r.describe(now) for r in self.requests]),
             "sandbox": self.settings.sandbox,
+            **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
             "target": self.target_wire,
             "versions": self.versions,
         }

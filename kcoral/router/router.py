@@ -45,7 +45,6 @@ import socket as stdlib_socket
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, cast
 
 import structlog
@@ -54,7 +53,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.requests import RequestQueue
-from kcoral.broker.settings import ORPHAN_GRACE_SECONDS, client_queue_limit
+from kcoral.broker.settings import client_queue_limit
 from kcoral.broker.target import versions
 from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.router.nodes import (
@@ -66,6 +65,7 @@ from kcoral.router.nodes import (
     parse_quiet_seconds,
     parse_registration,
 )
+from kcoral.router.settings import NODE_WAIT_SECONDS, RouterSettings
 from kcoral.service import auth
 from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
 from kcoral.service.fairness import OrphanWatch
@@ -74,35 +74,11 @@ from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.router")
 
-NODE_WAIT_SECONDS = 10.0
-NODE_BLOB_MEMORY = 100_000  # digests remembered per node for blob affinity
 MAX_REMEMBERED_LOST_NODES = 256
 # The liveness of nodes is checked this many times per heartbeat interval, so that a dead node is
 # noticed soon after its HEARTBEAT_LIVENESS intervals are up, not up to an interval later.
 CHECKS_PER_INTERVAL = 4
 GOODBYE_LINGER_MS = 200
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    """Everything ``kcoral router`` can be told; the CLI fills it from flags."""
-
-    listen: str = "tcp://127.0.0.1:6000"
-    nodes_listen: str = "tcp://127.0.0.1:6001"
-    max_queued: int = 1024
-    queue_timeout_seconds: float = 3600.0
-    # How long programs wait for a node while none is registered (see the module docstring).
-    node_wait_seconds: float = NODE_WAIT_SECONDS
-    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
-    node_blob_memory: int = NODE_BLOB_MEMORY
-    # Access (kcoral/service/auth.py): CURVE with a clients and a nodes key set; without it, the
-    # router listens on loopback only unless insecure_listen_any.
-    security: auth.ServerSecurity | None = None
-    insecure_listen_any: bool = False
-    max_queued_per_client: int | None = None  # None: a fair fraction of max_queued, as the broker's
-    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
-    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
-    metrics_listen: str | None = None
 
 
 class Router:

@@ -1,0 +1,111 @@
+"""The broker's workers: which may take programs, which are idle, which have exited.
+
+:class:`WorkerPool` is the broker's record of the worker processes on its workers' socket. A worker
+is taken into the pool only when it says READY under the identity its slot's zygote reported as
+forked (identities carry a random token): anything else that reaches the socket, a program say,
+must never be handed other clients' work. The zygote's "forked" event and the worker's READY travel
+on different paths, so a READY that comes first is kept a while (:data:`EARLY_READY_SECONDS`).
+Exits are remembered (a bounded number), so that a READY read after its worker died is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from kcoral.broker.requests import Worker
+from kcoral.broker.supervisor import SlotState, WorkerExit
+
+log = structlog.get_logger("kcoral.broker")
+
+MAX_REMEMBERED_EXITS = 10_000
+MAX_EARLY_READY = 1024
+EARLY_READY_SECONDS = 10.0
+
+
+class WorkerPool:
+    """Workers by identity, the idle ones among them, and the exits the zygotes reported."""
+
+    def __init__(self, slots: Mapping[int, SlotState]) -> None:
+        self.slots = slots  # the supervisor's slot states: which worker each zygote forked
+        self.workers: dict[bytes, Worker] = {}
+        self.idle: dict[bytes, Worker] = {}
+        self.exited: dict[bytes, WorkerExit] = {}
+        # READYs that arrived before their zygote's "forked" event was read.
+        self.early_ready: dict[bytes, dict[str, Any]] = {}
+
+    def ready(self, identity: bytes, body: dict[str, Any]) -> Worker | None:
+        """Take a worker that said READY into the pool, idle; None when it may not take programs
+        (yet: a READY that came before its zygote's "forked" event is kept a while)."""
+        slot = body.get("slot")
+        if not isinstance(slot, int) or slot not in self.slots:
+            log.warning("bad_ready", worker=identity.decode(errors="replace"))
+            return None
+        if identity in self.exited or identity in self.workers:
+            return None  # it died before its READY was read, or says READY twice
+        if self.slots[slot].worker != identity.decode(errors="replace"):
+            if len(self.early_ready) < MAX_EARLY_READY:
+                self.early_ready[identity] = body
+                asyncio.get_running_loop().call_later(EARLY_READY_SECONDS, self._forget_early_ready, identity)
+            return None
+        gpu = self.slots[slot].spec.gpu
+        worker = Worker(identity, slot, gpu, int(body.get("pid") or 0))
+        self.workers[identity] = worker
+        self.idle[identity] = worker
+        log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        return worker
+
+    def forked(self, slot: int, worker: str) -> Worker | None:
+        """A zygote reported a fork: a READY that came first now counts."""
+        body = self.early_ready.pop(worker.encode(), None)
+        if body is not None and body.get("slot") == slot:
+            return self.ready(worker.encode(), body)
+        return None
+
+    def _forget_early_ready(self, identity: bytes) -> None:
+        if self.early_ready.pop(identity, None) is not None:
+            log.warning("ready_from_unknown_worker", worker=identity.decode(errors="replace"))
+
+    def exit(self, exit: WorkerExit) -> Worker | None:
+        """Record a worker's exit; the worker if it was running a program (still known, marked
+        exited: its RESULT may still be in the socket), else None (forgotten)."""
+        identity = exit.worker.encode()
+        self.exited[identity] = exit
+        if len(self.exited) > MAX_REMEMBERED_EXITS:
+            self.exited.pop(next(iter(self.exited)))
+        self.idle.pop(identity, None)
+        worker = self.workers.get(identity)
+        if worker is None or worker.request_id is None:
+            self.workers.pop(identity, None)
+            return None
+        worker.exited = True
+        return worker
+
+    def pick(self, gpu_count: int, load: Mapping[int, int]) -> Worker | None:
+        """Take the least busy idle worker that can run a program on ``gpu_count`` GPUs, if any."""
+
+        def busyness(identity: bytes) -> tuple[int, int]:
+            worker = self.idle[identity]
+            return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
+
+        fits = [i for i, w in self.idle.items() if w.gpu_view is None or len(w.gpu_view) == gpu_count]
+        return self.idle.pop(min(fits, key=busyness)) if fits else None
+
+    def take_any_idle(self) -> Worker:
+        """Take an idle worker out of the pool (to be retired)."""
+        identity, worker = self.idle.popitem()
+        self.workers.pop(identity, None)
+        return worker
+
+    def forget(self, worker: Worker) -> None:
+        self.workers.pop(worker.identity, None)
+        self.idle.pop(worker.identity, None)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"idle": len(self.idle), "busy": sum(1 for w in self.workers.values() if w.request_id is not None)}
+
+
+__all__ = ["WorkerPool"]

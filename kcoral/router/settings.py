@@ -1,0 +1,37 @@
+"""What ``kcoral router`` can be told: one frozen dataclass that the CLI fills from its flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kcoral import protocol
+from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
+from kcoral.service import auth
+
+NODE_WAIT_SECONDS = 10.0
+NODE_BLOB_MEMORY = 100_000  # digests remembered per node for blob affinity
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Everything ``kcoral router`` can be told; the CLI fills it from flags."""
+
+    listen: str = "tcp://127.0.0.1:6000"
+    nodes_listen: str = "tcp://127.0.0.1:6001"
+    max_queued: int = 1024
+    queue_timeout_seconds: float = 3600.0
+    # How long programs wait for a node while none is registered (see kcoral/router/router.py).
+    node_wait_seconds: float = NODE_WAIT_SECONDS
+    max_request_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
+    node_blob_memory: int = NODE_BLOB_MEMORY
+    # Access (kcoral/service/auth.py): CURVE with a clients and a nodes key set; without it, the
+    # router listens on loopback only unless insecure_listen_any.
+    security: auth.ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    max_queued_per_client: int | None = None  # None: a fair fraction of max_queued, as the broker's
+    orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
+    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    metrics_listen: str | None = None
+
+
+__all__ = ["NODE_BLOB_MEMORY", "NODE_WAIT_SECONDS", "RouterSettings"]
