@@ -80,13 +80,7 @@ class Broker:
         self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
-            ShellSettings(
-                listen=settings.listen,
-                max_message_bytes=frame_limit,
-                security=settings.security,
-                insecure_listen_any=settings.insecure_listen_any,
-                metrics_listen=settings.metrics_listen,
-            ),
+            ShellSettings.of(settings, max_message_bytes=frame_limit),
             fail_request=self._finish_error,
             metrics=self.metrics,
         )

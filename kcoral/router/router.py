@@ -90,16 +90,7 @@ class Router:
         self.started_at = time.time()
         self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
-            "router",
-            ShellSettings(
-                listen=settings.listen,
-                max_message_bytes=settings.max_request_bytes,
-                security=settings.security,
-                insecure_listen_any=settings.insecure_listen_any,
-                metrics_listen=settings.metrics_listen,
-            ),
-            fail_request=self._finish_error,
-            metrics=self.metrics,
+            "router", ShellSettings.of(settings), fail_request=self._finish_error, metrics=self.metrics
         )
         self.orphans = OrphanWatch(settings.orphan_grace_seconds)
         self.shell.handlers.update(

@@ -136,6 +136,25 @@ class InFlightTable(Generic[RequestT]):
         return {request.client for request in self._by_id.values()}
 
 
+class ServiceSettings(Protocol):
+    """What a service's settings (BrokerSettings, RouterSettings) tell its shell."""
+
+    @property
+    def listen(self) -> str: ...
+
+    @property
+    def max_request_bytes(self) -> int: ...
+
+    @property
+    def security(self) -> auth.ServerSecurity | None: ...
+
+    @property
+    def insecure_listen_any(self) -> bool: ...
+
+    @property
+    def metrics_listen(self) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class ShellSettings:
     """Where and how the client socket listens."""
@@ -152,6 +171,17 @@ class ShellSettings:
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
+
+    @classmethod
+    def of(cls, service: ServiceSettings, *, max_message_bytes: int | None = None) -> ShellSettings:
+        """The shell's part of a broker's or a router's settings."""
+        return cls(
+            listen=service.listen,
+            max_message_bytes=max_message_bytes or service.max_request_bytes,
+            security=service.security,
+            insecure_listen_any=service.insecure_listen_any,
+            metrics_listen=service.metrics_listen,
+        )
 
 
 class ServiceShell(Generic[RequestT]):
