@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import subprocess
 import sys
 import threading
@@ -323,6 +324,81 @@ def test_a_client_topping_up_the_queue_leaves_room_and_turns_for_others(broker_f
         time.sleep(0.2)
     assert load["requests_waiting"] == 0 and load["requests_in_progress"] == 0, load
     assert "client_gone_cancelling" in broker.log()
+
+
+STALLED_CLIENT = """
+import sys, time, zmq
+sys.path.insert(0, sys.argv[3])
+from tests.test_access import execute_message, nap_program
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+for _ in range(int(sys.argv[2])):
+    sock.send_multipart(execute_message(nap_program(60))[1])
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_client_that_stops_answering_has_its_programs_cancelled(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
+    """A client process frozen (SIGSTOP: its TCP connection stays open, nothing answers libzmq's
+    pings) is taken for gone after the ping timeout: its programs are cancelled, the running one
+    after --orphan-grace."""
+    broker = broker_factory("--fake-gpus", "1", "--orphan-grace", "1")
+    client = subprocess.Popen(
+        [sys.executable, "-c", STALLED_CLIENT, broker.url, "3", str(Path.cwd())], stdout=subprocess.PIPE
+    )
+    try:
+        assert client.stdout is not None and client.stdout.readline().startswith(b"sent")
+        deadline = time.monotonic() + 10
+        while broker.health()["load"]["requests_in_progress"] < 1:
+            assert time.monotonic() < deadline, broker.log()
+            time.sleep(0.1)
+        client.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while True:
+            load = broker.health()["load"]
+            if load["requests_in_progress"] == 0 and load["requests_waiting"] == 0:
+                break
+            # libzmq's ping timeout (3 s), the next heartbeat (1 s), the grace (1 s), and slack.
+            assert time.monotonic() - stopped < 10, (load, broker.log())
+            time.sleep(0.2)
+        assert broker.log().count("client_gone_cancelling") == 3
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_through_a_router_a_gone_client_has_its_programs_cancelled_on_the_node(
+    tmp_path: Path, broker_factory: BrokerFactory
+) -> None:
+    router = testing.start_router(tmp_path, "--orphan-grace", "1")
+    try:
+        assert router.nodes_url is not None
+        node = broker_factory("--fake-gpus", "1", "--upstream", router.nodes_url, "--node-id", "n1")
+        deadline = time.monotonic() + 30
+        while "n1" not in router.nodes():
+            assert time.monotonic() < deadline, router.log()
+            time.sleep(0.2)
+        context: zmq.Context[Any] = zmq.Context()
+        try:
+            sock = raw_dealer(context, router.url)
+            for _ in range(3):  # one runs on the node, two wait at the router
+                sock.send_multipart(execute_message(nap_program(60))[1])
+            deadline = time.monotonic() + 15
+            while node.health()["load"]["requests_in_progress"] < 1:
+                assert time.monotonic() < deadline, router.log()
+                time.sleep(0.1)
+        finally:
+            context.destroy(linger=0)  # gone, without a CANCEL
+        deadline = time.monotonic() + 10
+        while node.health()["load"]["requests_in_progress"] or router.health()["load"]["queued_at_router"]:
+            assert time.monotonic() < deadline, router.log()
+            time.sleep(0.2)
+        assert router.log().count("client_gone_cancelling") == 3
+    finally:
+        router.stop()
 
 
 # --- a loop that stays live ---
