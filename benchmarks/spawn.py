@@ -2,6 +2,7 @@
 
     python benchmarks/spawn.py [--programs 300] [--in-flight 8] [--sandbox none|bubblewrap|both]
                                [--workers N] [--all-gpus | --fake-gpus N] [--json out.json]
+    python benchmarks/spawn.py --checkout MAIN_TREE --checkout BRANCH_TREE --rounds 6 [--programs 40] ...
 
 Measured in one run, for a program that returns a constant from an uploaded function (its module
 imports torch, which the zygote has already imported):
@@ -19,6 +20,13 @@ imports torch, which the zygote has already imported):
   confines itself to its program's GPU before the program runs: the median time it took
   (``result.worker["confinement_ms"]``) is reported beside the rates.
 
+With ``--checkout`` (twice or more) it compares versions instead, in one run: a broker per source
+tree and sandbox, all started at once, and the two rates measured in turns (the order rotating each
+round) for ``--rounds`` rounds, so that a load that comes and goes on a shared machine falls on
+each version alike; the table gives the median of the rounds and each tree's ratio to the first,
+and the CPU time the service (broker, zygotes, workers) spent per program, which a shared machine's
+load disturbs much less than the rates.
+
 Progress goes to stderr, the table to stdout.
 """
 
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import statistics
@@ -35,6 +44,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -190,6 +201,98 @@ def broker_flags(sandbox: str, workers: int, gpu: bool, all_gpus: bool = False, 
     return [*slots, "--sandbox", sandbox]
 
 
+def service_cpu_seconds(broker_pid: int) -> float:
+    """CPU seconds used so far by a broker and every process below it, reaped ones included (a
+    process's ``children_*`` times are its reaped children's). On a loaded machine this moves far
+    less than a rate does: on two shared cores the rate is the cores over this, per program."""
+    try:
+        root = psutil.Process(broker_pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for process in tree:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def compare_checkouts(args: argparse.Namespace, workers: int, gpu: bool) -> int:
+    """The rates of each source tree and sandbox, measured in turns; medians and ratios."""
+    checkouts = [Path(c).resolve() for c in args.checkout]
+    sandboxes = ("none", "bubblewrap") if args.sandbox == "both" else (args.sandbox,)
+    cases = [(c, s) for s in sandboxes for c in checkouts]
+    rates: dict[tuple[Path, str], list[tuple[float, float, float]]] = {case: [] for case in cases}
+    with contextlib.ExitStack() as stack:
+        urls, pids = {}, {}
+        for checkout, sandbox in cases:
+            log(f"starting a broker from {checkout}, sandbox {sandbox}")
+            urls[checkout, sandbox], process = stack.enter_context(
+                broker(*broker_flags(sandbox, workers, gpu, args.all_gpus, args.fake_gpus), checkout=checkout)
+            )
+            pids[checkout, sandbox] = process.pid
+        for round_ in range(args.rounds):
+            for checkout, sandbox in cases[round_ % len(cases) :] + cases[: round_ % len(cases)]:
+                label = f"round {round_ + 1}, {checkout.name}, {sandbox}"
+                url = urls[checkout, sandbox]
+                cpu_before = service_cpu_seconds(pids[checkout, sandbox])
+                one = sequential_rate(url, args.programs, f"{label}, one at a time")
+                many = asyncio.run(
+                    concurrent_rate(url, args.programs, args.in_flight, f"{label}, {args.in_flight} at once")
+                )
+                cpu_ms = (service_cpu_seconds(pids[checkout, sandbox]) - cpu_before) * 1000 / (2 * args.programs)
+                rates[checkout, sandbox].append((one, many, cpu_ms))
+    report: dict[str, Any] = {"machine": machine(), "gpu": gpu, "workers": workers, "rounds": args.rounds, "cases": []}
+    rows: list[list[Any]] = []
+    for sandbox in sandboxes:
+        first = None
+        for checkout in checkouts:
+            runs = rates[checkout, sandbox]
+            one = statistics.median(r[0] for r in runs)
+            many = statistics.median(r[1] for r in runs)
+            cpu_ms = statistics.median(r[2] for r in runs)
+            first = first or (one, many, cpu_ms)
+            rows.append(
+                [
+                    f"{checkout}, sandbox {sandbox}",
+                    one,
+                    many,
+                    one / first[0],
+                    many / first[1],
+                    cpu_ms,
+                    cpu_ms / first[2],
+                ]
+            )
+            report["cases"].append(
+                {
+                    "checkout": str(checkout),
+                    "sandbox": sandbox,
+                    "sequential_per_s": one,
+                    "concurrent_per_s": many,
+                    "service_cpu_ms_per_program": cpu_ms,
+                    "rounds": runs,
+                }
+            )
+    print_table(
+        f"Programs per second, median of {args.rounds} rounds ({machine()}, {workers} worker slot(s), GPU: {gpu})",
+        [
+            "source tree",
+            "one at a time",
+            f"{args.in_flight} in flight",
+            "ratio (one)",
+            f"ratio ({args.in_flight})",
+            "service CPU ms/program",
+            "ratio (CPU)",
+        ],
+        rows,
+    )
+    save_json(args.json, report)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--programs", type=int, default=300, help="programs per kcoral measurement")
@@ -201,12 +304,16 @@ def main() -> int:
     parser.add_argument("--all-gpus", action="store_true", help="slots on every GPU, not GPU 0 alone")
     parser.add_argument("--fake-gpus", type=int, default=0, help="slots on N fake GPUs (a host without GPUs)")
     parser.add_argument("--json", default=None, help="save the numbers here")
+    parser.add_argument("--checkout", action="append", default=None, help="compare brokers run from these trees")
+    parser.add_argument("--rounds", type=int, default=6, help="turns per tree and sandbox (with --checkout)")
     args = parser.parse_args()
 
     gpu = has_gpu()
     workers = args.workers or min(8, os.cpu_count() or 2)
     sandboxes = ("none", "bubblewrap") if args.sandbox == "both" else (args.sandbox,)
     log(f"{machine()}; GPU: {gpu}; {workers} worker slot(s); sandbox: {', '.join(sandboxes)}")
+    if args.checkout:
+        return compare_checkouts(args, workers, gpu)
 
     report: dict[str, Any] = {
         "machine": machine(),

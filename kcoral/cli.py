@@ -49,6 +49,11 @@ DEFAULT_MAX_OPEN_FILES = 16384
 # keeps room for a CUDA context, which alone counts about 1.4 GiB of private memory.
 DEFAULT_MEMORY_SHARE = 0.8
 MIN_DEFAULT_MEMORY_BYTES = 4 << 30
+# Workspace: the slots together may fill this share of the free disk under the run directory, so
+# that one program cannot fill the host's disk; the cap keeps it a per-program bound on big disks.
+DEFAULT_WORKSPACE_DISK_SHARE = 0.5
+MAX_DEFAULT_WORKSPACE_BYTES = 64 << 30
+MIN_DEFAULT_WORKSPACE_BYTES = 1 << 30
 
 
 def configure_logging(level: str, as_json: bool) -> None:
@@ -344,9 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     broker.add_argument(
         "--sandbox",
-        choices=("bubblewrap", "none"),
-        default=None,
-        help="isolate each worker with bubblewrap (default where bwrap runs), or not at all",
+        choices=("auto", "bubblewrap", "none"),
+        default="bubblewrap",
+        help="isolate each worker with bubblewrap (the default: the broker refuses to start where bwrap "
+        "cannot run), 'none' for no isolation, or 'auto' for bubblewrap where it runs and none, with a "
+        "warning, where it does not",
     )
     broker.add_argument(
         "--sandbox-readonly-path",
@@ -413,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=DEFAULT_MAX_OPEN_FILES,
         help=f"open files per worker process; 0: the inherited limit (default {DEFAULT_MAX_OPEN_FILES})",
+    )
+    broker.add_argument(
+        "--max-workspace-bytes",
+        type=_size,
+        default=None,
+        help="disk space one program's files may take in its workspace, checked several times a second; 0: "
+        "none (default: half the free space of the run directory's disk shared among the slots, at most 64 GiB)",
     )
     broker.add_argument(
         "--run-dir", type=_absolute_path, default=None, help="sockets and workspaces (default: a temp dir)"
@@ -559,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
     """DEFAULT_MEMORY_SHARE of the RAM divided among the worker slots the broker will run."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(MIN_DEFAULT_MEMORY_BYTES, int(ram * DEFAULT_MEMORY_SHARE / _slot_count(args, cpu_workers)))
+
+
+def _slot_count(args: argparse.Namespace, cpu_workers: int) -> int:
+    """The worker slots the broker will run."""
     if args.fake_gpus:
         slots = args.fake_gpus * args.workers_per_gpu
     elif args.gpus:
@@ -567,8 +587,17 @@ def _default_memory_limit(args: argparse.Namespace, cpu_workers: int) -> int:
         # Counting device nodes finds the GPUs without initialising CUDA in this process.
         gpus = 0 if args.device == "cpu" else len(list(Path("/dev").glob("nvidia[0-9]*")))
         slots = gpus * args.workers_per_gpu if gpus else cpu_workers
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(MIN_DEFAULT_MEMORY_BYTES, int(ram * DEFAULT_MEMORY_SHARE / max(1, slots)))
+    return max(1, slots)
+
+
+def _default_workspace_bytes(run_dir: Path | None, slots: int) -> int:
+    """DEFAULT_WORKSPACE_DISK_SHARE of the free disk under the run directory, divided among the slots."""
+    where = run_dir or Path(tempfile.gettempdir())
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    share = int(free * DEFAULT_WORKSPACE_DISK_SHARE / max(1, slots))
+    return max(MIN_DEFAULT_WORKSPACE_BYTES, min(MAX_DEFAULT_WORKSPACE_BYTES, share))
 
 
 def _server_security(args: argparse.Namespace, *, nodes: bool = False) -> Any:
@@ -639,23 +668,29 @@ def _broker(args: argparse.Namespace) -> int:
     if failed is not None:
         return failed
     security, upstream_keys = keys
-    sandbox = args.sandbox
-    if sandbox != "none":
+    sandbox, sandbox_reason = args.sandbox, ""
+    if sandbox == "none":
+        sandbox_reason = "--sandbox none was given"
+    else:
         try:
             check_bwrap()
             sandbox = "bubblewrap"
         except SandboxUnavailable as exc:
-            if sandbox == "bubblewrap":  # asked for: never run programs without the walls instead
-                log.error("broker_cannot_start", error=str(exc))
+            if sandbox == "bubblewrap":  # never run programs without the walls unless told to
+                log.error("broker_cannot_start", error=f"{exc} (or --sandbox auto to run without it here)")
                 return EXIT_CONFIG
-            log.warning("sandbox_unavailable_running_without", reason=str(exc))
-            sandbox = "none"
+            sandbox, sandbox_reason = "none", f"--sandbox auto, and bubblewrap cannot run here: {exc}"
     workers = args.workers or max(1, min(4, (os.cpu_count() or 2)))
     limits = {
         "memory_bytes": args.memory_limit if args.memory_limit is not None else _default_memory_limit(args, workers),
         "processes": args.max_processes,
         "file_size_bytes": args.max_file_bytes,
         "open_files": args.max_open_files,
+        "workspace_bytes": (
+            args.max_workspace_bytes
+            if args.max_workspace_bytes is not None
+            else _default_workspace_bytes(args.run_dir, _slot_count(args, workers))
+        ),
     }
     settings = BrokerSettings(
         listen=args.listen,
@@ -665,6 +700,7 @@ def _broker(args: argparse.Namespace) -> int:
         workers_per_gpu=args.workers_per_gpu,
         workers=workers,
         sandbox=sandbox,
+        sandbox_reason=sandbox_reason,
         sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
         max_programs_per_worker=args.max_programs_per_worker,
         cache_dir=args.cache_dir,

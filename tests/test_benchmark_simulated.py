@@ -19,7 +19,7 @@ import pytest
 from kcoral.errors import ExecutionError
 from kcoral.timing import timers, trust
 from kcoral.timing.benchmark import benchmark
-from kcoral.timing.cupti import SENTINEL_ID_OFFSET, Activity, TraceRecords
+from kcoral.timing.cupti import GAP_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, TraceRecords
 
 torch = pytest.importorskip("torch")
 
@@ -35,6 +35,7 @@ class SimulatedTracer:
         self._records = TraceRecords()
         self._enabled: list[Any] = []
         self.popped_wrong: list[int] = []  # a list, changed in place: the tracer's own state is watched
+        self.between_calls: list[int] = []  # a duration: record foreign work after each gap
 
     def timestamp(self) -> int:
         return time.perf_counter_ns()
@@ -59,6 +60,8 @@ class SimulatedTracer:
                 correlation = next(self._correlations)
                 self._records.activities.append(Activity(kind, correlation, started, max(ended, started + 1), "k"))
                 self._records.external[correlation] = external_id
+        if self.between_calls and self._enabled and GAP_ID_OFFSET <= external_id % (1 << 20) < SENTINEL_ID_OFFSET:
+            self.launch(self.between_calls[0])
         return self.popped_wrong[0] if self.popped_wrong else external_id
 
     def launch(self, duration_ns: int) -> None:
@@ -92,6 +95,8 @@ class Event:
 
 @pytest.fixture
 def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
+    # The process's armed state, taken before the stand-ins: other tests verify against it.
+    base = trust.arm(use_cupti=False)
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda, "current_device", lambda: "cpu")
@@ -113,7 +118,7 @@ def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
         armed_at=time.time(),
         in_worker=False,
     )
-    base = trust.arm(use_cupti=False)  # the real modules and snapshot, taken with the stand-ins in place
+    # The simulated state's own snapshot is taken with the stand-ins in place.
     state = dataclasses.replace(state, modules=base.modules, snapshot=trust.take_snapshot(base.modules, tracer))  # type: ignore[arg-type]
     state = dataclasses.replace(state, threads_at_arm=base.threads_at_arm)
     monkeypatch.setattr(trust, "_ARMED", state)
@@ -230,13 +235,12 @@ def test_work_another_thread_launches_inside_the_window_is_counted(simulated_gpu
     assert result["integrity_details"]["foreign_activities"] == 0
 
 
-def test_work_launched_after_the_call_returned_is_foreign(simulated_gpu: SimulatedTracer) -> None:
-    import threading
-
-    def late() -> None:
-        threading.Timer(0.002, simulated_gpu.launch, args=(1_000_000,)).start()
-
-    result = benchmark(late, config=CONFIG)
-    time.sleep(0.01)
+def test_work_launched_between_the_calls_is_foreign(simulated_gpu: SimulatedTracer) -> None:
+    """Another thread's launch that lands between two timed calls (here: whenever the timer's own
+    gap work ends, so that the test does not depend on a race)."""
+    simulated_gpu.between_calls.append(1_000_000)
+    x = torch.ones(8)
+    result = benchmark(lambda: x.add_(1.0), config=CONFIG)
     assert result["integrity"]["verdict"] == "suspect"
     assert any("between the timed calls" in reason for reason in result["integrity"]["reasons"]), result["integrity"]
+    assert result["integrity_details"]["foreign_activities"] >= CONFIG["repeat"] - 1  # not before call 0

@@ -167,7 +167,9 @@ def test_large_blob_reaches_the_worker_from_the_disk_cache(cache_broker: Running
         second = client.execute(program)
     assert first.completed and second.completed, (first.error, second.error)
     assert first.results["total"] == second.results["total"] == pytest.approx(expected_sum(big), rel=1e-6)
-    assert "blob_paths=1" in cache_broker.log()
+    # Under --sandbox none a program could rewrite a cache file that another program maps, so the
+    # broker reads (and hashes) the blob and sends it as a frame; bubblewrap maps it (test_slot.py).
+    assert "blob_paths=0" in cache_broker.log()
 
 
 def test_large_input_is_private_to_each_use_and_leaves_the_cache_intact(cache_broker: RunningBroker) -> None:

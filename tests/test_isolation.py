@@ -405,24 +405,35 @@ def test_explicit_bubblewrap_that_cannot_run_refuses_to_start(tmp_path: Path) ->
     )
     assert refused_start.returncode == EXIT_CONFIG, refused_start.stderr
     assert "Permission denied" in refused_start.stderr
-    assert "--sandbox none" in refused_start.stderr  # the way out, named
+    assert "--sandbox none" in refused_start.stderr  # the ways out, named
+    assert "--sandbox auto" in refused_start.stderr
+
+    refused_default = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert refused_default.returncode == EXIT_CONFIG, "without --sandbox the broker must not fall back silently"
 
     no_such_path = [*argv, "--sandbox-readonly-path", str(tmp_path / "missing")]
     missing = subprocess.run(no_such_path, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
-    # Without --sandbox the broker falls back, and says so.
+    # With --sandbox auto the broker falls back, and says so loudly: at start and in health().
+    port = free_port()
+    auto_argv = [*argv, "--sandbox", "auto"]
+    auto_argv[auto_argv.index("--listen") + 1] = f"tcp://127.0.0.1:{port}"
     with open(tmp_path / "default.log", "wb") as log:
-        default = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        default = subprocess.Popen(auto_argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + CLI_TIMEOUT_S
         while "broker_listening" not in (text := (tmp_path / "default.log").read_text()):
             assert default.poll() is None and time.monotonic() < deadline, text
             time.sleep(0.05)
+        with Client(f"tcp://127.0.0.1:{port}") as client:
+            health = client.health()
+        assert health["sandbox"] == "none"
+        assert "Permission denied" in health["sandbox_reason"]
     finally:
         default.send_signal(signal.SIGTERM)
         default.wait(CLI_TIMEOUT_S)
-    assert "sandbox_unavailable_running_without" in text
+    assert "sandbox_none_programs_not_isolated" in text and "warning" in text
     assert "sandbox=none" in text
 
 

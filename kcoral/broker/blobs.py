@@ -20,6 +20,9 @@ cache of many GiB would delay start-up). A file is hashed the first time this pr
 or hands out its path (:meth:`BlobStore.get`, :meth:`BlobStore.disk_path`); a file that does not
 match its name is deleted and the blob is reported absent. Blobs written by this process were
 hashed by :meth:`BlobStore.put` and are not hashed again. One broker owns a cache directory.
+Where others can write the directory (``--sandbox none``: workers run as the broker's user),
+``disk_writable_by_others`` makes every read from disk hash the bytes it read, so a program that
+rewrites a cached blob poisons nothing: the file is dropped and the client sends the blob again.
 
 Pins: while a request runs, its blobs are pinned with the request id as owner; pinned blobs are
 evicted from no tier, even when they alone exceed a tier's capacity, so a tiny cache still runs
@@ -79,6 +82,8 @@ class BlobStoreSettings:
     """With a disk tier, blobs over ``memory_bytes // memory_blob_divisor`` stay on disk only."""
     hash_chunk_bytes: int = 1 << 20
     """Read size when hashing a disk file, so that verifying a big file holds little memory."""
+    disk_writable_by_others: bool = False
+    """Hash every read from disk, not only the first: other processes can rewrite the files."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes < 0:
@@ -256,7 +261,7 @@ class BlobStore:
         except OSError as exc:
             self._drop_disk_entry(digest, reason="unreadable", error=str(exc))
             raise KeyError(digest) from exc
-        if digest not in self._verified:
+        if digest not in self._verified or self._settings.disk_writable_by_others:
             # We already hold the bytes, so hashing costs about as much as the read did.
             if hashlib.sha256(kept).hexdigest() != digest:
                 self._drop_disk_entry(digest, reason="corrupt")

@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
+from kcoral.broker import slots
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
@@ -80,6 +81,7 @@ class Broker:
                 memory_bytes=settings.cache_bytes,
                 disk_dir=cache_dir,
                 disk_bytes=settings.cache_disk_bytes,
+                disk_writable_by_others=settings.sandbox != "bubblewrap",
             )
         )
         # One frame larger than a client may have in uploads at once could never be accepted, and
@@ -141,6 +143,7 @@ class Broker:
         specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint)
         self.supervisor = Supervisor(specs, self._on_worker_exit, self._on_worker_forked)
         self.pool = WorkerPool(self.supervisor.states)
+        self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
         self.upstream: UpstreamLink | None = None
         self.ready_announced = False
 
@@ -185,6 +188,10 @@ class Broker:
             sandbox=self.settings.sandbox,
             instance_id=self.instance_id,
         )
+        if self.settings.sandbox == "none":
+            # Loud: programs then share the broker's user, files and network, and nothing but the
+            # process limits stands between them (see the README, "Worker limits").
+            log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
 
     async def _release(self) -> None:
         if self.upstream is not None:
@@ -265,6 +272,7 @@ class Broker:
         request.started_at = time.monotonic()
         request.worker = worker
         worker.request_id = request.id
+        worker.programs += 1
         body = {
             "request_id": request.id,
             "program": request.program,
@@ -320,9 +328,14 @@ class Broker:
         if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
             return  # dropped before it is decoded: see PROGRESS_PER_SECOND
         try:
+            oversized = slots.oversized_result([f.buffer for f in frames[1:]])
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
             log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
+            self._fail_unreadable_result(identity, oversized, exc)
+            return
+        if oversized is not None:
+            self._fail_unreadable_result(identity, oversized, None)
             return
         if command == protocol.READY:
             self._on_ready(identity, body)
@@ -336,8 +349,6 @@ class Broker:
         if command == protocol.LEASE:
             if request.lease_task is None or request.lease_task.done():
                 request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
-        elif command == protocol.RELEASE:
-            self.leases.release(request.id)
         elif command == protocol.PROGRESS:
             self._on_progress(request, body)
         elif command == protocol.RESULT:
@@ -371,12 +382,16 @@ class Broker:
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
         try:
-            await self.leases.acquire(request.id, request.gpu_ids)
+            grant = await self.leases.acquire(request.id, request.gpu_ids)
         except (LeaseReclaimed, asyncio.CancelledError):
             return
-        if self.requests.get(request.id) is not request or request.state != "running":
+        if self.requests.get(request.id) is not request or request.state != "running" or worker.exited:
             self.leases.release(request.id)
             return
+        # Held until the zygote reports this worker's exit (see _on_worker_exit), whatever the
+        # worker says: until then its program could still run work on the GPU.
+        self.held_leases[worker.identity] = request.id
+        request.lease_times = (grant.requested_at, grant.granted_at)
         try:
             send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
         except zmq.ZMQError:
@@ -386,16 +401,22 @@ class Broker:
         worker.request_id = None
         if worker.exited:
             self.pool.forget(worker)
-        self.leases.release(request.id)
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
-        if info.get("reusable") and worker.identity in self.pool.workers:
+        reusable = slots.reusable(worker, self.settings.max_programs_per_worker)
+        if info.get("reusable") and reusable and worker.identity in self.pool.workers:
+            holder = self.held_leases.pop(worker.identity, None)
+            if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
+                self.leases.release(holder)
             view = info.get("gpu_view")
             if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
                 worker.gpu_view = tuple(sorted(view))
             self.pool.idle[worker.identity] = worker
-        elif info.get("retire_reason"):
-            log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+        else:
+            if info.get("retire_reason"):
+                log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+            if not worker.exited:
+                self.supervisor.prepare_next_worker(worker.slot)
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.
@@ -412,10 +433,15 @@ class Broker:
         result = protocol.with_broker_fields(
             body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
         )
+        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
         self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
 
     def _on_worker_exit(self, exit: WorkerExit) -> None:
+        holder = self.held_leases.pop(exit.worker.encode(), None)
+        if holder is not None:
+            # The worker and all it started are gone (the zygote says so only then): the GPU is free.
+            self.leases.reclaim(holder)
         worker = self.pool.exit(exit)
         if worker is None or worker.request_id is None:
             return
@@ -424,7 +450,6 @@ class Broker:
             self.pool.forget(worker)
             return
         # The worker stays known for a moment: its RESULT may still be queued in the socket.
-        self.leases.reclaim(request.id)  # a dead holder's GPU goes to the next in line at once
         clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
         grace = CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
         asyncio.get_running_loop().call_later(grace, self._fail_crashed, request, worker, exit)
@@ -434,21 +459,45 @@ class Broker:
         if self.requests.get(request.id) is not request or request.worker is not worker:
             return
         index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
+        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
+        message = f"worker exited while executing the instruction ({exit.describe()})"
+        self._finish_failed(request, "runtime", message, index)
+
+    def _fail_unreadable_result(
+        self, identity: bytes, oversized: str | None, exc: protocol.WireError | None
+    ) -> None:
+        """A message from a running worker that cannot become a FINAL: fail its program clearly."""
+        worker = self.pool.workers.get(identity)
+        request = self.requests.get(worker.request_id or "") if worker is not None else None
+        if request is None or worker is None:
+            return
+        log.warning("unreadable_result", request_id=request.id, worker=identity.decode(), error=oversized or str(exc))
+        if oversized is not None:
+            self._finish_error(request, "response_too_large", oversized)
+        else:
+            self._finish_failed(request, "serialization", f"the worker's result could not be read: {exc}", None)
+
+    def _finish_failed(self, request: Request, kind: str, message: str, index: int | None) -> None:
+        """Answer a running program with a FAILED result the broker writes itself."""
         instructions = request.program.get("instructions", [])
         ins = instructions[index] if index is not None and index < len(instructions) else {}
-        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
-        error = protocol.instruction_error(
-            "runtime", f"worker exited while executing the instruction ({exit.describe()})", index, ins
-        )
+        lease_wait_ms, lease_held_ms = slots.lease_times(request.lease_times, time.monotonic())
         result = protocol.program_result(
             request.id,
-            error=error,
+            error=protocol.instruction_error(kind, message, index, ins),
             queue_ms=(request.started_at - request.queued_at) * 1000,
             elapsed_ms=(time.monotonic() - request.started_at) * 1000,
+            lease_wait_ms=lease_wait_ms,
+            lease_held_ms=lease_held_ms,
             gpu_ids=request.gpu_ids,
             node_id=self._node_id(),
         )
+        worker = request.worker
         self._finish(request, protocol.final_body(request.id, result), [])
+        if worker is not None and not worker.exited:
+            worker.request_id = None
+            self.pool.forget(worker)
+            self.supervisor.kill_worker(worker.slot)
         self._dispatch()
 
     def _node_id(self) -> str | None:
@@ -465,7 +514,8 @@ class Broker:
             request.timer.cancel()
         if request.lease_task is not None:
             request.lease_task.cancel()
-        self.leases.reclaim(request.id)
+        if request.worker is None or self.held_leases.get(request.worker.identity) != request.id:
+            self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
         self.intake.uploads.release(request.id)
         if request.state == "queued":
@@ -567,6 +617,7 @@ class Broker:
             "counters": self.metrics.counters(),
             **programs_in_flight([r.describe(now) for r in self.requests]),
             "sandbox": self.settings.sandbox,
+            **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
             "target": self.target_wire,
             "versions": self.versions,
         }

@@ -290,24 +290,24 @@ class ProgramIntake:
         """How the worker gets each blob: (digests sent as frames, those frames, digest -> path).
 
         Large blobs in the disk cache go as paths the worker maps read-only, so their bytes pass
-        through neither the broker's memory nor the socket. Raises KeyError for a lost blob.
+        through neither the broker's memory nor the socket; only inside bubblewrap, where the
+        cache is mounted read-only: elsewhere a program could rewrite a file that another program
+        maps, so blobs go as frames, read (and hashed) by the broker. Raises KeyError for a lost
+        blob.
         """
         sent: list[str] = []
         frames: list[memoryview] = []
         paths: dict[str, str] = {}
         for digest in request.digests:
             path: Path | None = None
-            if self.blobs.size_of(digest) >= self.settings.blob_path_min_bytes:
+            if self.settings.sandboxed and self.blobs.size_of(digest) >= self.settings.blob_path_min_bytes:
                 path = self.blobs.disk_path(digest)
             if path is None:
                 sent.append(digest)
                 frames.append(self.blobs.get(digest))
-            elif self.settings.sandboxed:
+            else:
                 # Inside the sandbox the cache directory is mounted read-only at /blobs.
                 paths[digest] = str(SANDBOX_BLOBS_DIR / path.name)
-            else:
-                # Absolute: the worker runs in its own working directory.
-                paths[digest] = str(path.absolute())
         return sent, frames, paths
 
 

@@ -21,6 +21,7 @@ class Worker:
     pid: int
     request_id: str | None = None
     exited: bool = False
+    programs: int = 0  # programs sent to it: the broker, not the worker, decides on reuse
     gpu_view: tuple[int, ...] | None = None  # the GPUs a reused sandboxed worker is confined to
 
 
@@ -43,6 +44,7 @@ class Request:
     instruction_index: int | None = None
     timer: asyncio.TimerHandle | None = None
     lease_task: asyncio.Task[None] | None = None
+    lease_times: tuple[float, float] | None = None  # when the lease was asked for and granted (monotonic)
     bytes_received: int = 0
     # Who the program belongs to for fair share: the client's CURVE key, or its connection
     # (kcoral.service.auth.peer_identity); ``client`` is the connection its answers go to.

@@ -29,6 +29,7 @@ class BrokerSettings:
     workers_per_gpu: int = 1
     workers: int = 2  # CPU workers where there are no GPUs
     sandbox: str = "none"
+    sandbox_reason: str = ""  # why there is none, when bubblewrap could not run (--sandbox auto)
     sandbox_readonly_paths: tuple[Path, ...] = ()
     max_programs_per_worker: int = 1
     # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give

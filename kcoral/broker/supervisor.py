@@ -1,7 +1,12 @@
 """The supervisor: starts one zygote per worker slot, relays its events, restarts it when it dies.
 
 The broker learns of a worker's death from here (the zygote reports each child's exit status at
-once), not from a missed heartbeat.
+once), not from a missed heartbeat. The zygote is the trusted side of its slot, but a program can
+still stop or kill it (they run as the same user): the supervisor, the broker's own code, is the
+backstop. A zygote that goes silent (it says ``alive`` every second) or that does not report a
+worker's exit soon after being told to kill it is killed with its whole sandbox, and whatever its
+workers left is killed before the broker hears that they exited. Each zygote runs in a session of
+its own, so no program can signal the broker's process group.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ STOP_GRACE_SECONDS = 5.0
 MAX_EVENT_LINE_BYTES = 1 << 16
 ORPHAN_COLLECT_SECONDS = 2.0
 ORPHAN_POLL_SECONDS = 0.02
+# A zygote says "alive" every second; one silent this long is stopped or stuck (a program can send
+# it SIGSTOP), and its slot unwatched. Generous, since a loaded 2-core host can starve it for a while.
+ZYGOTE_SILENCE_SECONDS = 10.0
+# A worker the zygote was told to kill must be reported exited within this time, or the zygote goes.
+KILL_GRACE_SECONDS = 5.0
+LIVENESS_CHECK_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,9 @@ class SlotState:
     state: str = "starting"
     last_error: str = ""
     started_at: float = 0.0
+    last_heard: float = 0.0  # monotonic time of the zygote's last event
+    kill_asked: tuple[str, float] | None = None  # the worker we asked the zygote to kill, and when
+    killed_for: str = ""  # why the supervisor killed the running zygote, when it did
 
 
 @dataclass(frozen=True)
@@ -112,10 +126,38 @@ class Supervisor:
         for spec in self.slots:
             self.states[spec.slot] = SlotState(spec)
             self._tasks.append(asyncio.create_task(self._keep_running(spec.slot)))
+        self._tasks.append(asyncio.create_task(self._check_liveness()))
 
     def kill_worker(self, slot: int) -> None:
         """Kill the slot's current worker and everything it started."""
+        state = self.states.get(slot)
+        if state is not None and state.worker is not None and state.kill_asked is None:
+            state.kill_asked = (state.worker, time.monotonic())
         self._command(slot, {"cmd": "kill"})
+
+    def prepare_next_worker(self, slot: int) -> None:
+        """The slot's worker sent its last result: fork its successor now, while it exits. The
+        zygote announces the successor (and the broker uses it) only once the worker has exited."""
+        self._command(slot, {"cmd": "spare"})
+
+    async def _check_liveness(self) -> None:
+        """Kill a zygote that stopped speaking, or that did not kill its worker when told to."""
+        while not self._stopping:
+            await asyncio.sleep(LIVENESS_CHECK_SECONDS)
+            now = time.monotonic()
+            for state in self.states.values():
+                process = state.process
+                if process is None or process.returncode is not None or state.state != "running":
+                    continue
+                why = ""
+                if now - state.last_heard > ZYGOTE_SILENCE_SECONDS:
+                    why = f"the zygote was silent for {now - state.last_heard:.1f} s"
+                elif state.kill_asked is not None and now - state.kill_asked[1] > KILL_GRACE_SECONDS:
+                    why = f"the zygote did not end worker {state.kill_asked[0]} within {KILL_GRACE_SECONDS:g} s"
+                if why:
+                    log.error("zygote_unresponsive", slot=state.spec.slot, reason=why)
+                    state.killed_for = why
+                    _kill_session(process.pid)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -183,7 +225,8 @@ class Supervisor:
                 env=spec.env if spec.env is not None else dict(os.environ),
                 limit=MAX_EVENT_LINE_BYTES,
                 # Its own session: a terminal's Ctrl-C goes to the foreground process group, and
-                # must reach the broker alone (it drains), not bwrap or the zygote under it.
+                # must reach the broker alone (it drains), not bwrap or the zygote under it; and
+                # os.killpg(os.getpgid(os.getppid()), ...) in a program reaches its zygote at most.
                 start_new_session=True,
             )
         except OSError as exc:
@@ -193,6 +236,8 @@ class Supervisor:
         state.process = process
         state.zygote_pid = process.pid
         state.state = "starting"
+        state.kill_asked = None
+        state.killed_for = ""
         log.info("zygote_started", slot=spec.slot, gpu=spec.gpu, pid=process.pid)
         assert process.stdout is not None
         while True:
@@ -202,16 +247,22 @@ class Supervisor:
                 continue
             if not line:
                 break
+            state.last_heard = time.monotonic()
             try:
                 event = json.loads(line)
             except ValueError:
                 continue
             self._handle_event(state, event)
+        _kill_session(process.pid)  # what is left of its sandbox
         code = await process.wait()
         if not self._stopping:
-            state.last_error = f"zygote exited with code {code}"
+            why = f" ({state.killed_for})" if state.killed_for else ""
+            state.last_error = f"zygote exited with code {code}{why}"
             log.error("zygote_died", slot=spec.slot, gpu=spec.gpu, returncode=code)
         if state.worker is not None:
+            # Its worker's processes came to us (the subreaper): they die before the broker hears
+            # of the exit, which gives their GPU lease to the next program.
+            await self._collect_orphans()
             self.on_exit(WorkerExit(spec.slot, state.worker, None, None, zygote_died=True))
             state.worker = None
         state.state = "stopped"
@@ -224,10 +275,14 @@ class Supervisor:
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
+        elif kind == "spare_discarded":
+            log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
         elif kind == "exited":
             worker = str(event.get("worker"))
             if state.worker == worker:
                 state.worker = None
+            if state.kill_asked is not None and state.kill_asked[0] == worker:
+                state.kill_asked = None
             self.on_exit(
                 WorkerExit(
                     state.spec.slot,
@@ -256,6 +311,14 @@ class Supervisor:
             if not found or time.monotonic() > deadline:
                 return
             await asyncio.sleep(ORPHAN_POLL_SECONDS)
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL a zygote's session (it leads one): the zygote itself, or the bwrap around it, whose
+    death takes the sandbox's every process with it (--die-with-parent, the pid namespace)."""
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill()
 
 
 def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, connect: str) -> list[SlotSpec]:

@@ -54,6 +54,9 @@ WATCHED_MODULES: Final = (
     "kcoral.timing.benchmark",
     "kcoral.builtins",
 )
+# Watched too where already imported at arm: the candidate's process of ``kcoral remote`` runs
+# kcoral.workloads.runner as __main__, and a patched runner could rewrite the report it sends.
+WATCHED_IF_LOADED: Final = ("kcoral.workloads.channel", "kcoral.workloads.format", "kcoral.workloads.runner")
 # Names in those modules that legitimately change after arm (the armed state itself).
 VOLATILE_NAMES: Final = frozenset({"_ARMED", "_ARM_LOCK"})
 # Functions of other libraries the timer calls, as (module, dotted attribute).
@@ -87,6 +90,12 @@ WATCHED_FOREIGN: Final = (
     ("gc", "enable"),
     ("gc", "isenabled"),
     ("threading", "enumerate"),
+    ("time", "time"),
+    ("os", "getpid"),
+    ("os", "readlink"),
+    ("pynvml", "nvmlDeviceGetProcessUtilization"),
+    ("pynvml", "nvmlDeviceGetComputeRunningProcesses"),
+    ("pynvml", "nvmlDeviceGetClockInfo"),
 )
 WATCHED_BUILTINS: Final = (
     "min", "max", "sorted", "sum", "len", "isinstance", "range", "float", "int", "list", "dict",
@@ -273,6 +282,14 @@ def arm(*, in_worker: bool = False, use_cupti: bool = True) -> ArmedState:
         if _ARMED is not None:
             return _ARMED
         modules = {name: importlib.import_module(name) for name in WATCHED_MODULES}
+        for name in WATCHED_IF_LOADED:
+            if name in sys.modules:
+                modules[name] = sys.modules[name]
+        main = sys.modules.get("__main__")
+        if getattr(getattr(main, "__spec__", None), "name", None) in WATCHED_IF_LOADED:
+            modules["__main__"] = main  # type: ignore[assignment]
+        with contextlib.suppress(ImportError):
+            import pynvml  # noqa: F401  (watched: the findings read NVML through it)
         tracer: CuptiTracer | None = None
         error: str | None = None
         if use_cupti:

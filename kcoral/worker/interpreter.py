@@ -28,6 +28,11 @@ from kcoral import protocol
 from kcoral.errors import ExecutionError
 from kcoral.gpu_guard import GpuAccessGuard
 
+# What one RESULT may hold (protocol.MAX_FRAMES and MAX_BODY_BYTES bound every message): the data
+# frames after its three header frames, and the returned values' share of its body, leaving the
+# rest of the body for the error, stdout and stderr (see kcoral.worker.worker.bounded_result).
+MAX_RESULT_FRAMES = protocol.MAX_FRAMES - 3
+MAX_INLINE_RESULT_BYTES = protocol.MAX_BODY_BYTES - (8 << 20)
 CUDA_POISON_MARKERS = (
     "illegal memory access",
     "illegal address",
@@ -65,7 +70,13 @@ class LeaseTimes:
 
 
 class LeaseChannel:
-    """The worker's side of GPU leases: ask the broker, wait for the grant, release."""
+    """The worker's side of GPU leases: ask the broker once, before the program's first GPU run.
+
+    There is no release: the broker keeps the lease until the zygote reports that this process
+    and everything it started have exited, since until then they could still run work on the GPU
+    (a program could otherwise give the lease back and keep going). ``cpu_only`` runs before the
+    first GPU run hold nothing.
+    """
 
     def __init__(
         self,
@@ -78,13 +89,17 @@ class LeaseChannel:
         self.request_id = request_id
         self.gpu_ids = gpu_ids
         self.times = LeaseTimes()
+        self.granted_at: float | None = None
         # Held around every use of the socket: the output follower's thread sends on it too.
         self.lock = lock or threading.Lock()
 
     def needed(self) -> bool:
         return self.socket is not None and bool(self.gpu_ids)
 
-    def acquire(self) -> float:
+    def acquire(self) -> None:
+        """Wait for the grant, once; later runs find it held."""
+        if self.granted_at is not None:
+            return
         assert self.socket is not None
         start = time.monotonic()
         with self.lock:
@@ -95,15 +110,13 @@ class LeaseChannel:
                     break
                 if command == protocol.DISCONNECT:
                     os._exit(0)
-        granted = time.monotonic()
-        self.times.wait_ms += (granted - start) * 1000
-        return granted
+        self.granted_at = time.monotonic()
+        self.times.wait_ms += (self.granted_at - start) * 1000
 
-    def release(self, granted: float) -> None:
-        assert self.socket is not None
-        self.times.held_ms += (time.monotonic() - granted) * 1000
-        with self.lock:
-            self.socket.send_multipart(protocol.message(protocol.RELEASE, {"request_id": self.request_id}))
+    def note_end(self) -> None:
+        """The program is over: count the time it held the lease (the broker measures its own)."""
+        if self.granted_at is not None:
+            self.times.held_ms = (time.monotonic() - self.granted_at) * 1000
 
 
 @dataclass
@@ -119,6 +132,7 @@ class Interpreter:
     results: dict[str, Any] = field(default_factory=dict)
     frames: list[Any] = field(default_factory=list)
     response_bytes: int = 0
+    inline_bytes: int = 0  # packed size of the returned values in the result's body
     max_response_bytes: int = protocol.DEFAULT_MAX_RESPONSE_BYTES
     retire_reason: str = ""
     modules: list[str] = field(default_factory=list)
@@ -253,12 +267,11 @@ class Interpreter:
         args = [a.fn if isinstance(a, FunctionValue) else a for a in args]
         if cpu_only or not self.lease.needed():
             return self._call_cpu_only(fn, args, name) if cpu_only else self._call(fn, args)
-        granted = self.lease.acquire()
+        self.lease.acquire()
         try:
             return self._call(fn, args)
         finally:
             self._synchronize_gpu()
-            self.lease.release(granted)
 
     def _call(self, fn: Callable[..., Any], args: list[Any]) -> Any:
         try:
@@ -307,10 +320,29 @@ class Interpreter:
     def _return_value(self, key: str, value: Any) -> None:
         if isinstance(value, FunctionValue):
             raise InstructionFailure("serialization", f"cannot return {key!r}: it is a function")
+        frames, response_bytes = len(self.frames), self.response_bytes
         try:
             encoded = protocol.encode_value(value, self._add_frame, bytes_to_frames=True)
-        except protocol.WireError as exc:
-            raise InstructionFailure("serialization", f"cannot return {key!r}: {exc}") from exc
+            size = len(protocol.pack(encoded))
+        except BaseException as exc:
+            # The value's own methods run here (a dict subclass's items(), a float subclass's
+            # __float__, a meta tensor's copy): whatever they raise fails this instruction only.
+            del self.frames[frames:]
+            self.response_bytes = response_bytes
+            if isinstance(exc, InstructionFailure):
+                raise
+            why = str(exc) if isinstance(exc, protocol.WireError) else f"encoding it raised {describe_exception(exc)}"
+            raise InstructionFailure("serialization", f"cannot return {key!r}: {why}") from None
+        if self.inline_bytes + size > MAX_INLINE_RESULT_BYTES:
+            del self.frames[frames:]
+            self.response_bytes = response_bytes
+            raise InstructionFailure(
+                "serialization",
+                f"cannot return {key!r}: it takes {size} bytes of the result's body, and the values of one result "
+                f"may take at most {MAX_INLINE_RESULT_BYTES} there (tensors and byte strings travel apart, "
+                f"without this bound: return large data as a tensor or bytes)",
+            )
+        self.inline_bytes += size
         self.results[key] = encoded
 
     def _return_file(self, key: str, path: str) -> None:
@@ -339,6 +371,12 @@ class Interpreter:
     # --- helpers ---
 
     def _add_frame(self, data: memoryview | bytes) -> int:
+        if len(self.frames) >= MAX_RESULT_FRAMES:
+            raise InstructionFailure(
+                "serialization",
+                f"the results need more than {MAX_RESULT_FRAMES} data frames (one per tensor, file and byte "
+                f"string over {protocol.INLINE_BYTES_LIMIT} bytes): return fewer, larger values",
+            )
         self.response_bytes += len(data)
         if self.response_bytes > self.max_response_bytes:
             # Not an instruction error kind: the broker answers the request with the request error
@@ -405,7 +443,11 @@ class Interpreter:
 
 
 def describe_exception(exc: BaseException) -> str:
-    text = str(exc)
+    """``"Type: message"``; an exception whose own ``__str__`` raises still gets described."""
+    try:
+        text = str(exc)
+    except BaseException:
+        text = "(its message could not be read: str() raised)"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
@@ -414,9 +456,12 @@ def _user_traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        return "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException:  # the exception's own methods raised while being formatted
+        return "".join(traceback.format_tb(tb)) + describe_exception(exc) + "\n"
 
 
 def _is_cuda_poison(exc: BaseException) -> bool:
-    text = str(exc).lower()
+    text = describe_exception(exc).lower()
     return any(marker in text for marker in CUDA_POISON_MARKERS)

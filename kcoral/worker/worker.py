@@ -34,6 +34,17 @@ from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
 # How long a worker waits for the broker before it takes the broker for gone.
 BROKER_SILENCE_SECONDS = 3600.0
+READY_REPEAT_SECONDS = 5.0  # READY again this often until the first program comes
+# Bounds on the text of an error in a RESULT: an exception's message can be any size.
+MAX_ERROR_MESSAGE_BYTES = 64 << 10
+MAX_TRACEBACK_BYTES = 1 << 20
+# The RESULT body stays this far under protocol.MAX_BODY_BYTES: the broker adds a few fields when
+# it turns the body into the client's FINAL.
+RESULT_BODY_MARGIN_BYTES = 64 << 10
+OUTPUT_ALWAYS_FITS_BYTES = 4 << 20
+STRING_HEADERS_BYTES = 16
+MAX_NAMES_REPORTED = 20  # leftover threads and processes named in a result
+MAX_NAME_CHARS = 100  # a thread's name is the program's to choose, of any length
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,9 @@ def execute_program(
         leftover_processes = [p.describe() for p in processes.kill_descendants(os.getpid())]
         output = capture.read()
         elapsed_ms = (time.monotonic() - start) * 1000
-        leftover = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        leftover = [
+            str(t.name)[:MAX_NAME_CHARS] for t in threading.enumerate() if t not in threads_before and t.is_alive()
+        ]
         retire = bool(interpreter.retire_reason)
         body = protocol.program_result(
             request_id,
@@ -146,10 +159,10 @@ def execute_program(
         # (its output stays exactly what the program wrote); the worker is not used again.
         notes: dict[str, Any] = {}
         if leftover:
-            notes["leftover_threads"] = leftover
+            notes["leftover_threads"] = leftover[:MAX_NAMES_REPORTED]
             retire, reason = True, f"the program left threads running: {', '.join(leftover[:5])}"
         if leftover_processes:
-            notes["leftover_processes"] = leftover_processes
+            notes["leftover_processes"] = leftover_processes[:MAX_NAMES_REPORTED]
             retire = True
             reason = f"the program left {len(leftover_processes)} process(es) running, now killed: " + ", ".join(
                 leftover_processes[:5]
@@ -158,6 +171,7 @@ def execute_program(
             hint = processes.explain_limit_error(str(error.get("message")), processes.current_limits())
             if hint is not None:
                 error["message"] = f"{error['message']} ({hint})"
+        interpreter.lease.note_end()
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
         if saved is not None:
@@ -178,9 +192,8 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
     socket.setsockopt(zmq.LINGER, 10_000)  # results must reach the broker before exit
     socket.connect(settings.connect)
-    socket.send_multipart(
-        protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
-    )
+    ready = protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
+    socket.send_multipart(ready)
     ready_at = time.time()
     if settings.gpu is not None:
         # While no program is here yet: the broker gives a program the slot's own GPU first.
@@ -188,10 +201,18 @@ def run_worker(settings: WorkerSettings) -> int:
     done = 0
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
+    silent_since = time.monotonic()
     try:
         while True:
-            if not poller.poll(int(BROKER_SILENCE_SECONDS * 1000)):
-                return 0
+            if not poller.poll(int(READY_REPEAT_SECONDS * 1000)):
+                if time.monotonic() - silent_since > BROKER_SILENCE_SECONDS:
+                    return 0
+                if done == 0:
+                    # The broker forgets a READY it cannot place yet after a while (a spare's comes
+                    # before the zygote announces it, which waits for the previous worker's exit).
+                    socket.send_multipart(ready)
+                continue
+            silent_since = time.monotonic()
             raw = socket.recv_multipart(copy=False)
             try:
                 command, body, data = protocol.split_message([f.buffer for f in raw])
@@ -201,7 +222,18 @@ def run_worker(settings: WorkerSettings) -> int:
                 return 0
             if command != protocol.PROGRAM:
                 continue
-            outcome = _execute_message(body, data, settings, socket)
+            # Dumpable from now on, so that the zygote's watchdog can read this process's memory
+            # use; not before, while a spare beside the previous program (see the zygote).
+            processes.set_dumpable(True)
+            try:
+                outcome = _execute_message(body, data, settings, socket)
+            except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
+                outcome = ExecutionOutcome(
+                    _failed_body(str(body.get("request_id", "")), "runtime", f"the worker failed: {exc!r}"),
+                    [],
+                    retire=True,
+                    retire_reason="the worker failed",
+                )
             processes.note_progress(None)
             reusable = not outcome.retire and (settings.max_programs == 0 or done + 1 < settings.max_programs)
             outcome.body["worker"] = {
@@ -219,7 +251,8 @@ def run_worker(settings: WorkerSettings) -> int:
                 "gpu_view": _listed(confinement.confined_to()),
                 **outcome.notes,
             }
-            socket.send_multipart(protocol.message(protocol.RESULT, outcome.body, *outcome.frames), copy=False)
+            packed, frames = bounded_result(outcome.body, outcome.frames)
+            socket.send_multipart([protocol.VERSION, protocol.RESULT, packed, *frames], copy=False)
             done += 1
             if not reusable:
                 return 0
@@ -333,3 +366,66 @@ def _execute_message(
     except (protocol.WireError, OSError, ValueError, TypeError) as exc:
         error = protocol.error_map("parse", f"the worker could not read the program: {exc}")
         return ExecutionOutcome(protocol.program_result(request_id, error=error), [])
+
+
+def _failed_body(request_id: str, kind: str, message: str) -> dict[str, Any]:
+    """The RESULT of a program that failed before any instruction ran, or outside all of them."""
+    return protocol.program_result(request_id, error=protocol.error_map(kind, message))
+
+
+# --- the bounds of one RESULT -------------------------------------------------------------------
+
+
+def _cut_text(text: str, most_bytes: int, encoded: bytes | None = None) -> tuple[str, bool]:
+    """``text`` cut to ``most_bytes`` of UTF-8 at a character boundary; whether it was cut.
+    ``encoded``: its UTF-8, when the caller has it already (output can be 64 MiB and more)."""
+    data = text.encode("utf-8", errors="replace") if encoded is None else encoded
+    if len(data) <= most_bytes:
+        return text, False
+    return data[:most_bytes].decode("utf-8", errors="ignore"), True
+
+
+def bounded_result(body: dict[str, Any], frames: list[Any]) -> tuple[bytes, list[Any]]:
+    """The packed RESULT body and its frames, within the limits of one message.
+
+    The returned values were bounded as they were returned (see the interpreter); here the error's
+    text is cut, and stdout and stderr are cut further when the body has no room for all of them
+    (``output_limit_bytes`` allows 64 MiB each, as much as a whole body): they are marked
+    truncated, as at their own limit. What still does not fit (it should not happen) becomes a
+    ``serialization`` failure, never a message the broker cannot read.
+    """
+    error = body.get("error")
+    if isinstance(error, dict):
+        for name, most in (("message", MAX_ERROR_MESSAGE_BYTES), ("traceback", MAX_TRACEBACK_BYTES)):
+            text = error.get(name)
+            if isinstance(text, str):
+                cut, was_cut = _cut_text(text, most)
+                error[name] = cut + (" [cut]" if was_cut else "")
+    budget = protocol.MAX_BODY_BYTES - RESULT_BODY_MARGIN_BYTES
+    output = {name: str(body.get(name) or "") for name in ("stdout", "stderr")}
+    encoded = {name: text.encode("utf-8", errors="replace") for name, text in output.items()}
+    sizes = {name: len(data) for name, data in encoded.items()}
+    # Output up to this much always fits beside values within the interpreter's bound.
+    room = OUTPUT_ALWAYS_FITS_BYTES
+    if sum(sizes.values()) > room:
+        # Less what the two strings' msgpack headers grow by (5 bytes each, at most).
+        room = max(0, budget - len(protocol.pack({**body, "stdout": "", "stderr": ""})) - STRING_HEADERS_BYTES)
+    if sum(sizes.values()) > room:
+        shares = {"stderr": min(sizes["stderr"], room // 2)}
+        shares["stdout"] = min(sizes["stdout"], room - shares["stderr"])
+        shares["stderr"] = min(sizes["stderr"], room - shares["stdout"])
+        for name, text in output.items():
+            body[name], was_cut = _cut_text(text, shares[name], encoded[name])
+            body[f"{name}_truncated"] = bool(body.get(f"{name}_truncated")) or was_cut
+    del encoded
+    packed = protocol.pack(body)
+    if len(packed) <= budget and len(frames) <= protocol.MAX_FRAMES - 3:
+        return packed, frames
+    failed = _failed_body(
+        str(body.get("request_id", "")),
+        "serialization",
+        f"the result does not fit in one message ({len(packed)} bytes of body, {len(frames)} data frames; "
+        f"at most {budget} and {protocol.MAX_FRAMES - 3})",
+    )
+    failed["worker"] = body.get("worker", {})
+    return protocol.pack(failed), []

@@ -6,35 +6,43 @@ so each forked worker begins clean and makes its own.
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
 commands on stdin (``{"cmd": "kill"}``: kill the current worker and all it started;
-``{"cmd": "stop"}``), events on stdout (``ready``, ``forked``, ``exited``). An ``exited`` event
-carries the worker's ``returncode`` or ``signal``, ``leftovers_killed`` (processes still alive when
-it ended), ``reason`` (why the zygote killed it: a broken limit, say) and ``instruction_index``
-(the instruction it was executing, read from a page shared with it: a worker that dies at once
-takes its unsent progress messages with it).
+``{"cmd": "stop"}``), events on stdout (``ready``, ``forked``, ``exited``, and ``alive`` once a
+second, by which the supervisor knows that the zygote still watches). An ``exited`` event carries
+the worker's ``returncode`` or ``signal``, ``leftovers_killed`` (processes still alive when it
+ended), ``reason`` (why the zygote killed it: a broken limit, say) and ``instruction_index`` (the
+instruction it was executing, read from a page shared with it: a worker that dies at once takes
+its unsent progress messages with it).
 
-A worker that has sent its last result says so through a pipe and the zygote forks the
-replacement while the old one is still exiting (the exit of a process with a CUDA context takes a
-hundred milliseconds or more): the slot's next worker is READY sooner.
+The zygote is the trusted side of the slot: the program in a worker can neither write to it nor
+speak for it. A worker closes every descriptor it inherits but its standard streams (which it
+points away from the zygote's) before any program runs, so the zygote's event pipe, command pipe
+and epoll set are out of reach; the zygote is not dumpable, so its memory is too. What the zygote
+reports comes from the kernel: a worker's exit from its pidfd and ``waitpid``, its processes from
+the process table. It forks the next worker only when the previous one has exited, everything
+the program started is dead and the workspace is wiped, so no program ever shares a slot with the
+one before it. It says ``exited`` only once all of that program's processes are dead, and the
+broker gives the GPU lease back only then.
 
 Nothing a worker starts outlives it: the zygote is a child subreaper, so whatever a worker leaves
-behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, found by a walk
-of its descendants and killed, before the next worker is forked. While a worker runs, a watchdog
-samples its whole process tree and kills it when the tree passes the process or memory limit
-(see :mod:`kcoral.worker.processes` for why those two are not rlimits alone).
+behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, and a child made
+with ``clone(CLONE_PARENT)`` is the zygote's own child from the start. As one worker runs at a
+time, every process below the zygote belongs to the program that runs now: the watchdog counts
+and measures all of them against the process and memory limits (see :mod:`kcoral.worker.processes`
+for why those two are not rlimits alone), and kills all of them when the worker ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import json
 import os
+import resource
 import secrets
 import selectors
-import shutil
 import signal
-import stat
 import sys
 import time
 import traceback
@@ -42,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kcoral.worker import confinement, processes
+from kcoral.worker import confinement, processes, workspace
 from kcoral.worker.state import reseed_generators
 
 EXIT_WORKER_CRASHED = 70
@@ -50,12 +58,24 @@ FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
-RETIRE_GRACE_SECONDS = 5.0  # a worker that said it was done has this long to exit
+RETIRE_GRACE_SECONDS = 5.0  # a worker the broker has the last result of has this long to exit
 KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
-WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples a worker's tree
+WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples the processes of the program
+# The workspace walk costs about 25 us per entry on the 2-core VM under load (10,100 entries:
+# 245 ms at a load average of 15): it runs at most every WORKSPACE_SAMPLE_SECONDS, and never takes
+# more than 1/WORKSPACE_SAMPLE_FACTOR of the zygote's time.
+WORKSPACE_SAMPLE_SECONDS = 0.25
+WORKSPACE_SAMPLE_FACTOR = 20
+# Entries (files, directories, links) one program may keep in its workspace. It bounds each walk
+# (2.5 s at the bound on that loaded VM, during which the zygote answers nothing) and the inodes
+# one program can take; more fails like the byte quota.
+MAX_WORKSPACE_ENTRIES = 100_000
+ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
 EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
 NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
 PARENT_DEATH_SIGNAL = signal.SIGUSR2
+FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: closed
+READ_CHUNK_BYTES = 65536
 
 
 @dataclass
@@ -72,55 +92,36 @@ class ZygoteSettings:
 
     @property
     def watched(self) -> bool:
-        return bool(self.limits.get("processes") or self.limits.get("memory_bytes"))
+        return any(self.limits.get(name) for name in ("processes", "memory_bytes", "workspace_bytes"))
 
 
 def emit(event: str, **fields: Any) -> None:
     os.write(1, (json.dumps({"event": event, **fields}) + "\n").encode())
 
 
-def wipe(directory: Path) -> None:
-    """Empty the slot's workspace, including directories a program made unreadable (mode 0),
-    which a plain rmtree would leave behind for the next program to open again."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for entry in directory.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            remove_tree(entry)
-        else:
-            try:
-                entry.unlink()
-            except OSError:
-                pass
+def close_inherited_descriptors() -> None:
+    """Close every descriptor above the standard streams.
 
-
-def remove_tree(path: Path) -> None:
-    """rmtree that first makes every directory of the tree accessible again (top down)."""
-    pending = [path]
-    while pending:
-        current = pending.pop()
-        try:
-            os.chmod(current, stat.S_IRWXU)
-            with os.scandir(current) as entries:
-                pending.extend(
-                    Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)
-                )
-        except OSError:
-            continue
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done_fd: int) -> None:
-    """In the forked child: set the process up and run the worker loop; never returns.
-
-    When the loop ends normally (its last result sent), the worker writes a byte to ``done_fd``
-    before it exits: the zygote forks the replacement at once instead of waiting for the exit,
-    which takes a while for a process with a CUDA context.
+    In the zygote: what its starter left open by mistake (the broker's event loop hands each
+    child copies of its pipe ends). In a new worker: the zygote's epoll set, pidfds and any copy
+    of its event and command pipes, none of which a program may touch (a program that could add a
+    descriptor to the zygote's epoll set, or write an event line, would blind or fool it).
     """
+    os.closerange(FIRST_INHERITED_FD, os.sysconf("SC_OPEN_MAX"))
+
+
+def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard) -> None:
+    """In the forked child: set the process up and run the worker loop; never returns."""
     code = EXIT_WORKER_CRASHED
     try:
-        # The zygote is not dumpable (see serve); its worker must be, so that the zygote's
-        # watchdog can read the worker's memory use in /proc.
-        processes.set_dumpable(True)
+        close_inherited_descriptors()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # not the zygote's command pipe
+        os.close(devnull)
+        os.dup2(2, 1)  # not the zygote's event pipe: stray output before capture goes to the log
+        processes.BOARD = board
+        # Not dumpable, like the zygote, until it gets a program (see run_worker): a spare forked
+        # while the previous program still runs can be neither read nor written by that program.
         os.setsid()  # its own session and group: one killpg reaches what it starts
         processes.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
@@ -132,10 +133,6 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
         # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
         # with EFBIG, which the program's result reports, instead of killing the worker.
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        os.dup2(2, 1)  # stray output before capture goes to the log, never into the event pipe
         confinement.configure(settings.gpu_nodes)
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
         if settings.gpu is not None:
@@ -160,8 +157,6 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done
                 max_programs=settings.max_programs,
             )
         )
-        if code == 0:
-            os.write(done_fd, b"\x01")
     except BaseException:
         traceback.print_exc()
     finally:
@@ -170,24 +165,28 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, done
 
 @dataclass
 class Child:
-    """A worker the zygote forked, and the descriptors it is watched through."""
+    """A worker the zygote forked, and the descriptor its exit is seen through."""
 
     pid: int
     identity: str
     pidfd: int | None  # readable when it has ended
-    done_fd: int | None  # readable when it has sent its last result (or ended)
     started: float
+    board: processes.ProgressBoard  # its own: another worker's program cannot write it
     kill_reason: str = ""  # why we killed it, when we did
     kill_requested: bool = False  # the broker asked for the kill
-    retired_at: float | None = None  # when it said it was done: now it is only exiting
+    done_at: float | None = None  # when the broker said it had its last result: now it only exits
 
 
 class Zygote:
-    """Forks workers for one slot, one at a time, and reports their exits.
+    """Forks workers for one slot and reports their exits; one worker serves at a time.
 
-    One worker of the slot at a time serves: the ``current`` one. A worker that has sent its last
-    result becomes ``retiring`` while it exits, and its replacement is forked meanwhile; a retiring
-    worker that does not exit within RETIRE_GRACE_SECONDS is killed.
+    The ``current`` worker is the one the broker knows (announced with ``forked``). When the broker
+    has its last result (command ``spare``) the next worker is forked at once, while the current
+    one is still exiting (a process with a CUDA context takes a hundred milliseconds or more), but
+    it stays a ``spare``: unannounced, so the broker gives it nothing. Only once the current worker
+    has exited, everything it started is dead and the workspace is wiped is the spare checked
+    (see :meth:`fit_to_serve`) and announced. A worker that does not exit within
+    RETIRE_GRACE_SECONDS of its last result is killed.
     """
 
     def __init__(self, settings: ZygoteSettings) -> None:
@@ -195,11 +194,14 @@ class Zygote:
         self.generation = 0
         self.stopping = False
         self.current: Child | None = None
-        self.retiring: dict[int, Child] = {}
+        self.spare: Child | None = None
         self.selector = selectors.DefaultSelector()
         self.pending_input = b""
         self.crashes = 0
         self.next_watch = 0.0
+        self.next_workspace_sample = 0.0
+        self.next_alive = 0.0
+        self.expected = SpareState.of_this_process(settings.limits)
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -220,7 +222,6 @@ class Zygote:
         # Workers run as the same user: without this one of them could write the zygote's memory
         # through /proc/<zygote>/mem and so take over every later worker of the slot.
         processes.set_dumpable(False)
-        processes.BOARD = processes.ProgressBoard()
         processes.set_child_subreaper()
         # Not SIGKILL when the broker dies: we first take the worker's tree with us. Not SIGTERM
         # either: that one (and SIGINT, from a terminal) also reaches the whole process group when
@@ -230,6 +231,7 @@ class Zygote:
         signal.signal(PARENT_DEATH_SIGNAL, self._on_broker_death)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.set_blocking(0, False)  # a command read never waits, whatever woke us
         self.selector.register(0, selectors.EVENT_READ, "commands")
         emit("ready", pid=os.getpid(), slot=self.settings.slot, eager_cuda=self.settings.eager_cuda)
         while not self.stopping:
@@ -241,95 +243,110 @@ class Zygote:
                             CRASH_BACKOFF_FIRST_SECONDS * 2 ** (self.crashes - CRASH_LOOP_AFTER),
                         )
                     )
-                wipe(self.settings.workspace)
-                self.fork_worker()
+                workspace.wipe(self.settings.workspace)
+                self.announce_next()
             self.wait_for_event()
         for child in self.children():
             self.kill(child, "")
-        while self.current is not None or self.retiring:
+        while self.current is not None or self.spare is not None:
             self.wait_for_event()
-        wipe(self.settings.workspace)
+        workspace.wipe(self.settings.workspace)
         return 0
 
     def children(self) -> list[Child]:
-        return ([self.current] if self.current is not None else []) + list(self.retiring.values())
+        return [c for c in (self.current, self.spare) if c is not None]
 
-    def fork_worker(self) -> None:
+    def spared(self) -> set[int]:
+        """The spare's pid: the one process below us that is not the running program's."""
+        return {self.spare.pid} if self.spare is not None else set()
+
+    def fork_worker(self) -> Child:
         self.generation += 1
         # Unguessable and never reused: inside a sandbox every zygote is pid 2, and the broker only
         # takes work-carrying READYs from the identity this zygote reports as forked.
         identity = f"w{self.settings.slot}-{self.generation}-{secrets.token_hex(8)}"
-        done_read, done_write = os.pipe()
+        board = processes.ProgressBoard()
         sys.stdout.flush()
         sys.stderr.flush()
         zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            os.close(done_read)
-            become_worker(self.settings, identity, zygote_pid, done_write)
-        os.close(done_write)
+            become_worker(self.settings, identity, zygote_pid, board)
         try:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
             pidfd = None  # old kernels: wait_for_event polls instead
-        child = Child(pid, identity, pidfd, done_read, time.monotonic())
+        # Its limits set from here as well as by itself: fit_to_serve compares them at once.
+        for which, value in processes.rlimit_values(self.settings.limits).items():
+            with contextlib.suppress(OSError):
+                resource.prlimit(pid, which, value)
+        child = Child(pid, identity, pidfd, time.monotonic(), board)
         if pidfd is not None:
-            self.selector.register(pidfd, selectors.EVENT_READ, ("exit", child))
-        self.selector.register(done_read, selectors.EVENT_READ, ("done", child))
-        if processes.BOARD is not None:
-            processes.BOARD.note(None)
+            self.selector.register(pidfd, selectors.EVENT_READ, child)
+        return child
+
+    def announce_next(self) -> None:
+        """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
+        spare, self.spare = self.spare, None
+        if spare is not None and not self.fit_to_serve(spare):
+            emit("spare_discarded", worker=spare.identity)
+            self.discard(spare)
+            spare = None
+        child = spare if spare is not None else self.fork_worker()
         self.current = child
-        emit("forked", worker=identity, pid=pid)
+        self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
+        emit("forked", worker=child.identity, pid=child.pid)
+
+    def fit_to_serve(self, spare: Child) -> bool:
+        """Whether the spare is as forked: the program that ran beside it (the same user) could
+        have stopped it, or changed its priority, scheduling, CPUs or limits, none of which it
+        could undo. It could not read or write it (a worker is not dumpable until it has a program)."""
+        try:
+            os.kill(spare.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        info = processes.read_process(spare.pid)
+        return info is not None and info.state not in "TtZX" and SpareState.of(spare.pid) == self.expected
+
+    def discard(self, child: Child) -> None:
+        """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
+        _kill_group(child.pid)
+        if child.pidfd is not None:
+            self.selector.unregister(child.pidfd)
+            os.close(child.pidfd)
+            child.pidfd = None
+        try:
+            os.waitpid(child.pid, 0)
+        except ChildProcessError:
+            pass
 
     def wait_for_event(self) -> None:
-        """Handle what happens next: a command, a worker done or ended, a watchdog sample."""
-        children = self.children()
-        polled = any(c.pidfd is None for c in children) or self.retiring
-        timeout = WATCH_INTERVAL_SECONDS if (self.settings.watched and children) or polled else None
+        """Handle what happens next: a command, a worker's exit, a watchdog sample."""
+        now = time.monotonic()
+        timeout = max(0.0, self.next_alive - now)
+        if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.settings.watched):
+            timeout = min(timeout, WATCH_INTERVAL_SECONDS)
         for key, _ in self.selector.select(timeout=timeout):
             if key.data == "commands":
                 self.read_commands()
-                continue
-            what, child = key.data
-            if what == "done":
-                self.on_done(child)
             else:
-                self.on_exit(child)
-        now = time.monotonic()
+                self.on_exit(key.data)
         for child in self.children():
             if child.pidfd is None:
                 self.on_exit(child)
-            elif child.retired_at is not None and now - child.retired_at > RETIRE_GRACE_SECONDS:
-                self.kill(child, "it did not exit after its last result")
-        if self.settings.watched and now >= self.next_watch:
+        now = time.monotonic()
+        current = self.current
+        if current is not None and current.done_at is not None and now - current.done_at > RETIRE_GRACE_SECONDS:
+            self.kill(current, f"it did not exit within {RETIRE_GRACE_SECONDS:g} s of its last result")
+        if current is not None and self.settings.watched and now >= self.next_watch:
             self.next_watch = now + WATCH_INTERVAL_SECONDS
-            self.watch()
-
-    def on_done(self, child: Child) -> None:
-        if child.done_fd is None:  # closed by on_exit in the same round of events
-            return
-        try:
-            said = os.read(child.done_fd, 1)
-        except OSError:
-            said = b""
-        self.selector.unregister(child.done_fd)
-        os.close(child.done_fd)
-        child.done_fd = None
-        if said and child is self.current:  # an empty read is an exit: on_exit reports it
-            self.current = None
-            child.retired_at = time.monotonic()
-            self.retiring[child.pid] = child
-            self.crashes = 0
-            # A process that a thread of the program started after the worker's last look must not
-            # live on beside the next worker (through /proc/PID/root it would see that one's GPUs).
-            found = processes.descendants(child.pid, KILL_WALK_MOST)
-            tree = [info for info in map(processes.read_process, found) if info is not None]
-            if tree:
-                child.kill_reason = "its program left processes running after its result"
-                processes.kill_processes(tree)
+            self.watch(current)
+        if now >= self.next_alive:
+            self.next_alive = now + ALIVE_INTERVAL_SECONDS
+            emit("alive")
 
     def on_exit(self, child: Child) -> None:
-        if child is not self.current and child.pid not in self.retiring:
+        if child is not self.current and child is not self.spare:
             return  # reported already, in the same round of events
         try:
             pid, status = os.waitpid(child.pid, os.WNOHANG)
@@ -337,17 +354,18 @@ class Zygote:
             pid, status = child.pid, None
         if pid == 0:
             return  # not yet
-        for fd in (child.pidfd, child.done_fd):
-            if fd is not None:
-                self.selector.unregister(fd)
-                os.close(fd)
-        child.pidfd = child.done_fd = None
-        serving = child is self.current
-        if serving:
-            self.current = None
-        self.retiring.pop(child.pid, None)
-        # What it left behind came to us (we are the subreaper): kill it, sparing the others.
-        leftovers = processes.kill_descendants(os.getpid(), spare={c.pid for c in self.children()})
+        if child.pidfd is not None:
+            self.selector.unregister(child.pidfd)
+            os.close(child.pidfd)
+            child.pidfd = None
+        if child is self.spare:
+            self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
+            return
+        # Everything below us now but the spare is what the program left (we are the subreaper,
+        # and children it made with CLONE_PARENT are ours from the start): kill all of it before
+        # saying "exited".
+        leftovers = processes.kill_descendants(os.getpid(), spare=self.spared())
+        self.current = None
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
             "exited",
@@ -357,42 +375,66 @@ class Zygote:
             signal=-returncode if returncode is not None and returncode < 0 else None,
             leftovers_killed=len(leftovers),
             reason=child.kill_reason,
-            instruction_index=processes.BOARD.read() if serving and processes.BOARD is not None else None,
+            instruction_index=child.board.read(),
         )
-        if serving:
-            # Only workers that die fast, unasked and unexplained (a broken install, a crash at
-            # start-up) count: programs end workers all the time, and that must not slow us.
-            crashed = (
-                returncode not in (None, 0)
-                and not child.kill_requested
-                and not child.kill_reason
-                and time.monotonic() - child.started < FAST_EXIT_SECONDS
-            )
-            self.crashes = self.crashes + 1 if crashed else 0
+        # Only workers that die fast, unasked and unexplained (a broken install, a crash at
+        # start-up) count: programs end workers all the time, and that must not slow us.
+        crashed = (
+            returncode not in (None, 0)
+            and not child.kill_requested
+            and not child.kill_reason
+            and time.monotonic() - child.started < FAST_EXIT_SECONDS
+        )
+        self.crashes = self.crashes + 1 if crashed else 0
 
-    def watch(self) -> None:
-        """One watchdog sample of each worker's tree: kill a tree that breaks a limit."""
-        most = self.settings.limits.get("processes") or None
-        for child in self.children():
-            if child.kill_reason:
-                continue
-            tree = [child.pid, *processes.descendants(child.pid, most)]
-            breach = processes.limit_breach(tree, self.settings.limits)
-            if breach is not None:
-                self.kill(child, f"the zygote killed it: {breach}")
+    def watch(self, child: Child) -> None:
+        """One watchdog sample of the program's processes and workspace: kill it over a limit."""
+        if child.kill_reason:
+            return
+        limits = self.settings.limits
+        most = limits.get("processes") or None
+        # Every process below the zygote but the spare: the worker's tree and those it made with
+        # CLONE_PARENT.
+        tree = processes.descendants(os.getpid(), most, spare=self.spared())
+        breach = processes.limit_breach(tree, limits)
+        if breach is None and limits.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
+            breach = self.workspace_breach(limits["workspace_bytes"])
+        if breach is not None:
+            self.kill(child, f"the zygote killed it: {breach}")
+
+    def workspace_breach(self, quota: int) -> str | None:
+        start = time.monotonic()
+        used = workspace.usage(self.settings.workspace, MAX_WORKSPACE_ENTRIES)
+        took = time.monotonic() - start
+        self.next_workspace_sample = time.monotonic() + max(WORKSPACE_SAMPLE_SECONDS, WORKSPACE_SAMPLE_FACTOR * took)
+        limit = processes.describe_limit("workspace_bytes", quota)
+        if not used.complete:
+            return f"more than {MAX_WORKSPACE_ENTRIES} files in its workspace, over {limit}"
+        if used.bytes > quota:
+            return f"{processes.format_bytes(used.bytes)} in its workspace, over {limit}"
+        return None
 
     def kill(self, child: Child, reason: str) -> None:
-        """Kill a worker and everything it started; on_exit reaps it and reports."""
+        """Kill a worker; the current one with every other process below us but the spare.
+        on_exit reaps it and reports."""
         if not child.kill_reason:
             child.kill_reason = reason
         _kill_group(child.pid)
-        # The group kill got the bulk; this bounded walk gets those in other groups, and
-        # kill_descendants in on_exit whatever is left once the worker is gone.
-        tree = processes.descendants(child.pid, KILL_WALK_MOST)
-        processes.kill_processes(info for info in map(processes.read_process, tree) if info is not None)
+        if child is not self.current:
+            return
+        # The group kill got the bulk; this bounded walk gets the others (other groups, children
+        # made with CLONE_PARENT), and kill_descendants in on_exit whatever is left.
+        spared = self.spared()
+        tree = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=spared)
+        processes.kill_processes(
+            (info for info in map(processes.read_process, tree) if info is not None), spare_groups=spared
+        )
 
     def read_commands(self) -> None:
-        chunk = os.read(0, 65536)
+        try:
+            chunk = os.read(0, READ_CHUNK_BYTES)
+        except BlockingIOError:
+            return
         if not chunk:  # the broker is gone: stop, taking the workers with us
             self.selector.unregister(0)
             self.stop("the broker went away")
@@ -404,10 +446,16 @@ class Zygote:
                 command = json.loads(line)
             except ValueError:
                 continue
-            if command.get("cmd") == "kill" and self.current is not None:
+            what = command.get("cmd")
+            if what == "kill" and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
-            elif command.get("cmd") == "stop":
+            elif what == "spare" and self.current is not None and not self.stopping:
+                if self.current.done_at is None:
+                    self.current.done_at = time.monotonic()
+                if self.spare is None:
+                    self.spare = self.fork_worker()
+            elif what == "stop":
                 self.stop("")
 
     def stop(self, reason: str) -> None:
@@ -418,6 +466,38 @@ class Zygote:
 
     def _on_broker_death(self, signum: int, frame: Any) -> None:
         self.stop("the broker went away")
+
+
+@dataclass(frozen=True)
+class SpareState:
+    """What another process of the same user can change in a worker and the worker cannot undo."""
+
+    priority: int
+    policy: int
+    cpus: frozenset[int]
+    rlimits: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, pid: int) -> SpareState | None:
+        try:
+            return cls(
+                os.getpriority(os.PRIO_PROCESS, pid),
+                os.sched_getscheduler(pid),
+                frozenset(os.sched_getaffinity(pid)),
+                tuple(resource.prlimit(pid, which) for which in processes.RLIMITS.values()),
+            )
+        except OSError:
+            return None
+
+    @classmethod
+    def of_this_process(cls, limits: dict[str, int]) -> SpareState:
+        """What a new worker has: this process's scheduling, the rlimits apply_rlimits sets."""
+        return cls(
+            os.getpriority(os.PRIO_PROCESS, 0),
+            os.sched_getscheduler(0),
+            frozenset(os.sched_getaffinity(0)),
+            tuple(processes.rlimit_values(limits).values()),
+        )
 
 
 def _kill_group(pid: int) -> None:
@@ -449,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
     parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
     args = parser.parse_args(argv)
+    close_inherited_descriptors()
     limits = {str(k): int(v) for k, v in json.loads(args.limits).items()}
     if "address_space_bytes" in limits:  # the name older brokers send
         limits.setdefault("memory_bytes", limits.pop("address_space_bytes"))

@@ -1,0 +1,694 @@
+"""The trusted side of a slot: each attack of issue 14 through a real broker, under both sandboxes.
+
+Every test runs a hostile program (numbered as in the issue) and checks two things: the hostile
+program ends in a clear FAILED or error, and the next programs are untouched (their workspace holds
+only their own files, they get the fake GPU's lease without waiting for the attacker, and they run
+as fast as usual). The broker has one fake GPU and two slots, so two programs can share the GPU's
+lease and run side by side, as in the campaign that found these holes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+from kcoral import Client, KCoralError, Program, ProgramResult
+from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
+from tests.conftest import RunningBroker, start_broker
+
+try:
+    check_bwrap()
+    BWRAP_ERROR = ""
+except SandboxUnavailable as exc:
+    BWRAP_ERROR = str(exc)
+
+SANDBOXES = [
+    "none",
+    pytest.param(
+        "bubblewrap", marks=[pytest.mark.bubblewrap, pytest.mark.skipif(bool(BWRAP_ERROR), reason=BWRAP_ERROR)]
+    ),
+]
+MEMORY_LIMIT = "1g"
+MAX_PROCESSES = 64
+WORKSPACE_QUOTA = 96 << 20
+FLAGS = (
+    "--fake-gpus", "1", "--workers-per-gpu", "2",
+    "--memory-limit", MEMORY_LIMIT, "--max-processes", str(MAX_PROCESSES), "--max-file-bytes", "256m",
+    "--max-workspace-bytes", str(WORKSPACE_QUOTA), "--cache-bytes", "1m",
+)  # fmt: skip
+PROGRAM_TIMEOUT_S = 30.0
+VICTIM_HOLD_S = 0.05
+# A victim waits for the other victim's lease (it holds the GPU VICTIM_HOLD_S, then its worker
+# exits), never for an attacker's; on a loaded 2-core VM an exit can take a few hundred ms.
+VICTIM_MAX_LEASE_WAIT_MS = 1500.0
+GONE_WITHIN_S = 10.0
+
+
+@dataclass
+class Service:
+    broker: RunningBroker
+    sandbox: str
+
+    @property
+    def url(self) -> str:
+        return self.broker.url
+
+
+@pytest.fixture(scope="module", params=SANDBOXES)
+def service(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The broker the attacks run on, one per sandbox; each test leaves it serving."""
+    root = tmp_path_factory.mktemp(f"slot-{request.param}")
+    running = start_broker(root, "--sandbox", request.param, "--cache-dir", str(root / "cache"), *FLAGS)
+    yield Service(running, request.param)
+    assert running.stop() == 0, running.log()
+
+
+def program_of(
+    source: str, name: str, *args: Any, cpu_only: bool = False, files: dict[str, bytes] | None = None
+) -> Program:
+    program = Program()
+    for path, data in (files or {}).items():
+        program.upload_file(blob=data, path=path)
+    module = program.upload(kind="module", source=textwrap.dedent(source))
+    fn = program.get_function(module=module, name=name, cpu_only=cpu_only)
+    program.return_(key="out", value=program.run(fn=fn, args=list(args)))
+    return program
+
+
+def execute(url: str, program: Program, **options: Any) -> ProgramResult:
+    options.setdefault("timeout_seconds", PROGRAM_TIMEOUT_S)
+    with Client(url) as client:
+        return client.execute(program, **options)
+
+
+VICTIM = """
+import os, time
+def victim(hold_s):
+    work = os.getcwd()
+    root = os.path.dirname(os.path.dirname(work))  # the slot's workspace
+    secret = open("secret.txt").read()
+    time.sleep(hold_s)
+    shm = os.path.join(root, ".shm")  # inside bubblewrap: the mount point of /dev/shm, kept
+    return {"workspace": sorted(os.listdir(root)), "run_dir": os.path.basename(os.path.dirname(work)),
+            "shm": sorted(os.listdir(shm)) if os.path.isdir(shm) else [],
+            "work": sorted(os.listdir(work)), "secret": secret}
+"""
+
+
+def assert_next_programs_untouched(url: str) -> None:
+    """Two programs at once (one per slot), each on the fake GPU: only their own files, their
+    own secret, a lease wait bounded by the other victim's, and their GPU time their own."""
+    secrets = [uuid.uuid4().hex for _ in range(2)]
+    programs = [
+        program_of(VICTIM, "victim", VICTIM_HOLD_S, files={"secret.txt": s.encode()}) for s in secrets
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda p: execute(url, p), programs))
+    for secret, result in zip(secrets, results):
+        assert result.completed, result.error
+        out = result.results["out"]
+        assert out["secret"] == secret
+        seen = [entry for entry in out["workspace"] if entry != ".shm"]
+        assert seen == [out["run_dir"]] and out["shm"] == [], f"the workspace holds more than this program's run: {out}"
+        assert out["work"] == ["secret.txt"]
+        assert result.lease_wait_ms < VICTIM_MAX_LEASE_WAIT_MS, result.lease_wait_ms
+        assert result.lease_held_ms < VICTIM_HOLD_S * 1000 + 1000, result.lease_held_ms
+
+
+def assert_failed(result: ProgramResult, kind: str, *words: str) -> None:
+    assert result.status == "FAILED", result.results
+    assert result.error is not None and result.error["kind"] == kind, result.error
+    for word in words:
+        assert word in result.error["message"], result.error["message"][:2000]
+
+
+# --- 1. Cross-client overlap -----------------------------------------------------------------------
+
+ANY_FD_WRITER = """
+import json, os, time
+def poke_then_spy(spy_s):
+    poked = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            os.set_blocking(fd, False)
+            poked[name] = os.write(fd, b"\\x01" + json.dumps({"event": "forked", "worker": "x"}).encode() + b"\\n")
+        except OSError as exc:
+            poked[name] = type(exc).__name__
+    seen = set()
+    root = os.path.dirname(os.path.dirname(os.getcwd()))
+    deadline = time.monotonic() + spy_s
+    while time.monotonic() < deadline:
+        for base, _dirs, files in os.walk(root):
+            seen.update(os.path.join(base, f) for f in files if f == "secret.txt")
+        time.sleep(0.02)
+    return {"seen": sorted(seen), "started": time.time(), "ended": time.time()}
+"""
+
+
+def test_1_a_program_keeps_its_slot_until_it_and_all_it_started_have_exited(
+    service: Service, tmp_path: Path
+) -> None:
+    # One slot: the next program must wait for this one, however it pokes the descriptors it has
+    # (a byte in the zygote's "done" pipe once let the next program in beside it).
+    single = start_broker(tmp_path, "--sandbox", service.sandbox, "--fake-gpus", "1")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            spy = pool.submit(execute, single.url, program_of(ANY_FD_WRITER, "poke_then_spy", 3.0), timeout_seconds=1.5)
+            time.sleep(0.5)
+            victim = pool.submit(
+                execute, single.url, program_of(VICTIM, "victim", 0.0, files={"secret.txt": b"s3cret"})
+            )
+            with pytest.raises(KCoralError) as refused:
+                spy.result()
+            assert refused.value.kind == "timeout"  # killed at its timeout, still spying
+            after = victim.result()
+        assert after.completed, after.error
+        assert after.results["out"]["secret"] == "s3cret"
+        assert [e for e in after.results["out"]["workspace"] if e != ".shm"] == [after.results["out"]["run_dir"]]
+        # It started only once the spy had gone: it waited in the queue for the one slot.
+        assert after.queue_ms > 700, after.queue_ms
+    finally:
+        assert single.stop() == 0
+
+
+TAMPERER = """
+import ctypes, os, signal, time
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+CLONE_PARENT = 0x8000
+def tamper_with_the_next_worker(seconds):
+    me = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0) != 0:
+        return "left a process beside the next worker"
+    # The zygote's child now, it outlives this worker until the zygote kills it.
+    zygote = os.getppid()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (me, os.getpid()):
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) != zygote:  # only this slot's workers: the zygote's children
+                    continue
+                pid = int(name)
+                os.setpriority(os.PRIO_PROCESS, pid, 19)
+                os.sched_setaffinity(pid, {min(os.sched_getaffinity(0))})
+                os.kill(pid, signal.SIGSTOP)
+            except OSError:
+                pass
+        time.sleep(0.001)
+    os._exit(0)
+"""
+
+SCHEDULING = """
+import os
+def scheduling():
+    return os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0))
+"""
+
+
+def test_1_the_next_worker_is_untouched_by_what_the_previous_program_left(service: Service, tmp_path: Path) -> None:
+    # The next worker is forked while the previous one exits; a process the previous program left
+    # beside it (a child of the zygote, made with CLONE_PARENT) renices, pins and stops it.
+    single = start_broker(tmp_path, "--sandbox", service.sandbox, "--fake-gpus", "1")
+    try:
+        left = execute(single.url, program_of(TAMPERER, "tamper_with_the_next_worker", 2.0, cpu_only=True))
+        assert left.completed, left.error
+        after = execute(single.url, program_of(SCHEDULING, "scheduling"), timeout_seconds=10)
+        assert after.completed, after.error
+        priority, cpus = after.results["out"]
+        assert priority == os.getpriority(os.PRIO_PROCESS, 0)
+        assert cpus == sorted(os.sched_getaffinity(0))
+        print("spare discarded:", "spare_worker_discarded" in single.log())  # when the tamperer was in time
+    finally:
+        assert single.stop() == 0
+
+
+# --- 2. Zygote blinding ------------------------------------------------------------------------------
+
+BLINDER = """
+import ctypes, os, time
+EPOLL_CTL_ADD, EPOLLIN = 1, 1
+class Event(ctypes.Structure):
+    _pack_ = 1 if os.uname().machine == "x86_64" else 0
+    _fields_ = [("events", ctypes.c_uint32), ("data", ctypes.c_uint64)]
+def blind_then_fork(count):
+    libc = ctypes.CDLL(None, use_errno=True)
+    always = os.eventfd(1)  # always readable
+    tagged = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if "eventpoll" in target and int(name) != always:
+            event = Event(EPOLLIN, 0)  # tagged as fd 0: the zygote's command pipe
+            if libc.epoll_ctl(int(name), EPOLL_CTL_ADD, always, ctypes.byref(event)) == 0:
+                tagged.append(int(name))
+    children = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        children.append(pid)
+    time.sleep(20)
+    return tagged
+"""
+
+
+def test_2_a_program_cannot_blind_the_zygote_and_the_watchdog_still_kills_it(service: Service) -> None:
+    url = service.url
+    result = execute(url, program_of(BLINDER, "blind_then_fork", MAX_PROCESSES + 8, cpu_only=True))
+    assert_failed(result, "runtime", "--max-processes")
+    with Client(url) as client:
+        assert all(z["state"] == "running" for z in client.health()["workers"]["zygotes"])
+    assert_next_programs_untouched(url)
+
+
+# --- 3. The lease is cooperative -----------------------------------------------------------------
+
+LEASE_THIEF = """
+import gc, os, time
+import zmq
+from kcoral import protocol
+def give_back_and_keep_going(hold_s):
+    request_id = os.environ["KCORAL_REQUEST_ID"]
+    sent = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Socket) and not obj.closed:
+            obj.send_multipart(protocol.message(protocol.RELEASE, {"request_id": request_id}))
+            sent += 1
+        if type(obj).__name__ == "LeaseChannel":
+            obj.granted_at = None  # its own record, for what that is worth
+    time.sleep(hold_s)  # "GPU work" after the release
+    return {"released": sent, "ended": time.time()}
+"""
+
+GPU_CLOCK = """
+import time
+def started():
+    return time.time()
+"""
+
+
+def test_3_the_lease_goes_back_only_when_its_holder_has_exited(service: Service) -> None:
+    hold_s = 1.0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        thief = pool.submit(execute, service.url, program_of(LEASE_THIEF, "give_back_and_keep_going", hold_s))
+        time.sleep(0.4)  # the thief holds the lease by now (its run started at once)
+        after = pool.submit(execute, service.url, program_of(GPU_CLOCK, "started"))
+        stolen, waited = thief.result(), after.result()
+    assert stolen.completed and stolen.results["out"]["released"] >= 1, stolen.error
+    assert waited.completed, waited.error
+    # The second program got the GPU only after the thief's process had ended, not at its RELEASE.
+    assert waited.results["out"] >= stolen.results["out"]["ended"]
+    assert waited.lease_wait_ms > (hold_s - 0.4) * 1000 * 0.8, waited.lease_wait_ms
+    assert_next_programs_untouched(service.url)
+
+
+# --- 4. Limits escaped by clone(CLONE_PARENT) ---------------------------------------------------
+
+CLONE_PARENT_SPAWNER = """
+import ctypes, os, signal, time
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+CLONE_PARENT = 0x8000
+def escape(count, token):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    made = 0
+    for _ in range(count):
+        pid = libc.syscall(SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0)
+        if pid == 0:  # the zygote's child, not ours
+            os.execv("/bin/sleep", ["/bin/sleep", token])
+        if pid > 0:
+            made += 1
+    time.sleep(20)
+    return made
+"""
+
+
+def test_4_processes_made_with_clone_parent_are_counted_and_killed(service: Service) -> None:
+    token = f"{30 + uuid.uuid4().int % 10**6 / 10**7:.7f}"  # a unique sleep time marks them
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        escapee = pool.submit(
+            execute, service.url, program_of(CLONE_PARENT_SPAWNER, "escape", MAX_PROCESSES + 16, token, cpu_only=True)
+        )
+        time.sleep(0.2)
+        # The other slot's program runs meanwhile, and is no victim of the kill.
+        beside = pool.submit(execute, service.url, program_of(VICTIM, "victim", 1.0, files={"secret.txt": b"x"}))
+        result, other = escapee.result(), beside.result()
+    assert_failed(result, "runtime", "--max-processes")
+    assert other.completed, other.error
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while left := [p for p in psutil.process_iter(["cmdline"]) if token in (p.info["cmdline"] or [])]:
+        assert time.monotonic() < deadline, f"processes made with CLONE_PARENT survived: {left}"
+        time.sleep(0.05)
+    assert_next_programs_untouched(service.url)
+
+
+# --- 5. Results lost as "crashes" -----------------------------------------------------------------
+
+BIG_RESULTS = """
+import sys
+import numpy as np
+def big_string():
+    return "x" * (80 << 20)
+def big_list():
+    return [0.5] * 8_000_000
+def big_message():
+    raise ValueError("y" * (80 << 20))
+def many_tensors():
+    return [np.zeros(1, dtype=np.float32) for _ in range(100_000)]
+def full_stdout():
+    sys.stdout.write("z" * (70 << 20))
+    sys.stdout.flush()
+    return "kept"
+def invalid_utf8():
+    sys.stdout.flush()
+    sys.stdout.buffer.write(b"\\xff" * (30 << 20))
+    sys.stdout.flush()
+    return "kept"
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "words"),
+    [
+        ("big_string", "serialization", ["takes", "bytes of the result's body"]),
+        ("big_list", "serialization", ["takes", "bytes of the result's body"]),
+        ("big_message", "runtime", ["ValueError", "[cut]"]),
+        ("many_tensors", "serialization", ["data frames"]),
+        ("full_stdout", None, []),
+        ("invalid_utf8", None, []),
+    ],
+)
+def test_5_results_of_any_size_end_completed_or_clearly_failed(
+    service: Service, name: str, kind: str | None, words: list[str]
+) -> None:
+    program = Program()
+    program.return_(key="before", value="kept")
+    module = program.upload(kind="module", source=textwrap.dedent(BIG_RESULTS))
+    fn = program.get_function(module=module, name=name, cpu_only=True)
+    program.return_(key="out", value=program.run(fn=fn))
+    result = execute(service.url, program, output_limit_bytes=64 << 20)
+    assert result.results.get("before") == "kept", result.error  # what came before the failure is kept
+    if kind is None:
+        assert result.completed, result.error
+        assert result.results["out"] == "kept"
+        assert result.stdout_truncated
+        assert 0 < len(result.stdout.encode()) <= 64 << 20
+    else:
+        assert_failed(result, kind, *words)
+        assert "worker exited" not in result.error["message"]
+
+
+FORGED_RESULTS = """
+import gc, os
+import zmq
+from kcoral import protocol
+def forge(how):
+    request_id = os.environ["KCORAL_REQUEST_ID"]
+    body = {"request_id": request_id, "status": "COMPLETED", "results": {}, "error": None}
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Socket) and not obj.closed and obj.type == zmq.DEALER:
+            if how == "oversized":
+                body["stdout"] = "o" * (65 << 20)
+                obj.send_multipart([protocol.VERSION, protocol.RESULT, protocol.pack(body)])
+            else:
+                obj.send_multipart([protocol.VERSION, protocol.RESULT, b"\\xc1 not msgpack"])
+    import time
+    time.sleep(10)
+"""
+
+
+@pytest.mark.parametrize(("how", "kind"), [("oversized", "response_too_large"), ("unreadable", "serialization")])
+def test_5_the_broker_turns_an_oversized_or_unreadable_result_into_a_clear_failure(
+    service: Service, how: str, kind: str
+) -> None:
+    program = program_of(FORGED_RESULTS, "forge", how, cpu_only=True)
+    if kind == "response_too_large":
+        with pytest.raises(KCoralError) as refused:
+            execute(service.url, program)
+        assert refused.value.kind == kind
+        assert "bytes" in str(refused.value)
+    else:
+        assert_failed(execute(service.url, program), kind, "could not be read")
+    assert_next_programs_untouched(service.url)
+
+
+# --- 6. Return values that crash the worker -------------------------------------------------------
+
+RAISING_VALUES = """
+import torch
+class Dict(dict):
+    def items(self):
+        raise RuntimeError("items")
+    def keys(self):
+        raise RuntimeError("keys")
+    def __iter__(self):
+        raise RuntimeError("iter")
+class List(list):
+    def __iter__(self):
+        raise RuntimeError("iter")
+class Float(float):
+    def __float__(self):
+        raise RuntimeError("float")
+    def __repr__(self):
+        raise RuntimeError("repr")
+class Loud(Exception):
+    def __str__(self):
+        raise RuntimeError("str")
+def a_dict():
+    return Dict(a=1)
+def a_list():
+    return List([1, 2])
+def a_float():
+    return Float(1.5)
+def a_meta_tensor():
+    return torch.empty(4, device="meta")
+def an_exception():
+    raise Loud()
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("a_dict", "serialization"),
+        ("a_list", "serialization"),
+        ("a_float", "serialization"),
+        ("a_meta_tensor", "serialization"),
+        ("an_exception", "runtime"),
+    ],
+)
+def test_6_values_whose_own_methods_raise_fail_the_return_not_the_worker(
+    service: Service, name: str, kind: str
+) -> None:
+    result = execute(service.url, program_of(RAISING_VALUES, name, cpu_only=True))
+    assert_failed(result, kind)
+    assert "worker exited" not in result.error["message"]
+    assert result.error["instruction_op"] == ("return" if kind == "serialization" else "run")
+
+
+# --- 7. Workspace quota ---------------------------------------------------------------------------
+
+FILLER = """
+import os, time
+def fill(files, each):
+    block = os.urandom(1 << 20)
+    for index in range(files):
+        with open(f"part-{index}", "wb") as handle:
+            for _ in range(each >> 20):
+                handle.write(block)
+    time.sleep(10)
+"""
+
+
+def test_7_files_over_the_workspace_quota_fail_naming_it(service: Service) -> None:
+    # Each file is under --max-file-bytes; together they pass --max-workspace-bytes.
+    result = execute(service.url, program_of(FILLER, "fill", 8, 16 << 20, cpu_only=True))
+    assert_failed(result, "runtime", "--max-workspace-bytes")
+    assert_next_programs_untouched(service.url)
+
+
+# --- 8. Progress floods ---------------------------------------------------------------------------
+
+FLOODER = """
+import gc, os, time
+import zmq
+from kcoral import protocol
+def flood(seconds):
+    request_id = os.environ["KCORAL_REQUEST_ID"]
+    sock = next(o for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed and o.type == zmq.DEALER)
+    message = protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": 0})
+    sent = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(1000):
+            sock.send_multipart(message)
+        sent += 1000
+    return sent
+"""
+
+
+def test_8_a_progress_flood_does_not_stall_the_broker(service: Service) -> None:
+    flood_s = 2.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        flooding = pool.submit(execute, service.url, program_of(FLOODER, "flood", flood_s, cpu_only=True))
+        time.sleep(0.5)
+        slowest = 0.0
+        with Client(service.url) as client:
+            while not flooding.done():
+                start = time.monotonic()
+                client.health()
+                slowest = max(slowest, time.monotonic() - start)
+                time.sleep(0.05)
+        flooded = flooding.result()
+    assert flooded.completed and flooded.results["out"] > 0, flooded.error
+    assert slowest < 1.0, f"HEALTH took {slowest:.2f} s during a PROGRESS flood"
+    assert_next_programs_untouched(service.url)
+
+
+# --- 9. Forged worker identity ----------------------------------------------------------------------
+
+IMPOSTOR = """
+import json, os, time
+import zmq
+from kcoral import protocol
+def pose(endpoint, wait_s):
+    identity = "w0-99-" + os.urandom(8).hex()
+    line = (json.dumps({"event": "forked", "worker": identity, "pid": 1}) + "\\n").encode()
+    wrote = {}
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2:
+            try:
+                os.set_blocking(int(name), False)
+                wrote[name] = os.write(int(name), line)
+            except OSError as exc:
+                wrote[name] = type(exc).__name__
+    for fd in (0, 1):  # the zygote's command and event streams, through /proc
+        try:
+            with open(f"/proc/{os.getppid()}/fd/{fd}", "wb", buffering=0) as stream:
+                stream.write(line if fd == 1 else b'{"cmd": "stop"}\\n')
+            wrote[f"zygote-{fd}"] = "ok"
+        except OSError as exc:
+            wrote[f"zygote-{fd}"] = type(exc).__name__
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.connect(endpoint)
+    sock.send_multipart(protocol.message(protocol.READY, {"slot": 0, "pid": 1, "gpu": 0}))
+    got = sock.poll(int(wait_s * 1000))
+    sock.close(linger=0)
+    context.term()
+    return {"handed_work": bool(got), "wrote": wrote}
+"""
+
+
+def test_9_a_program_cannot_pose_as_a_worker_or_speak_for_its_zygote(service: Service) -> None:
+    endpoint = f"ipc://{service.broker.run_dir / 'ipc' / 'workers.sock'}"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        posing = pool.submit(execute, service.url, program_of(IMPOSTOR, "pose", endpoint, 3.0, cpu_only=True))
+        time.sleep(1.0)
+        victims = [pool.submit(execute, service.url, program_of(GPU_CLOCK, "started")) for _ in range(2)]
+        posed = posing.result()
+        done = [v.result() for v in victims]
+    assert posed.completed, posed.error
+    out = posed.results["out"]
+    assert out["handed_work"] is False, "another client's program was handed to the impostor"
+    assert out["wrote"]["zygote-0"] != "ok" and out["wrote"]["zygote-1"] != "ok", out["wrote"]
+    assert all(v.completed for v in done), [v.error for v in done]
+    with Client(service.url) as client:
+        assert all(z["state"] == "running" for z in client.health()["workers"]["zygotes"])
+    assert_next_programs_untouched(service.url)
+
+
+# --- 10. The service's own side -------------------------------------------------------------------
+
+GROUP_KILLER = """
+import os, signal, time
+def kill_my_zygotes_group():
+    os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+    time.sleep(5)
+"""
+
+
+def test_10_a_program_cannot_kill_the_broker_through_its_process_group(service: Service, tmp_path: Path) -> None:
+    own = start_broker(tmp_path, "--sandbox", service.sandbox, "--fake-gpus", "1", "--workers-per-gpu", "2")
+    try:
+        result = execute(own.url, program_of(GROUP_KILLER, "kill_my_zygotes_group", cpu_only=True))
+        assert_failed(result, "runtime", "worker exited")
+        assert own.process.poll() is None, "the broker died"
+        deadline = time.monotonic() + 60
+        with Client(own.url) as client:
+            while client.health()["workers"]["idle"] < 2:
+                assert time.monotonic() < deadline, "the slot never served again"
+                time.sleep(0.1)
+        assert_next_programs_untouched(own.url)
+    finally:
+        assert own.stop() == 0, own.log()
+
+
+POISONER = """
+import glob, os
+def poison(cache_dir, digest):
+    outcome = {}
+    for path in [os.path.join(cache_dir, digest), f"/blobs/{digest}"]:
+        try:
+            with open(path, "r+b") as handle:
+                handle.write(b"poison")
+            outcome[path] = "ok"
+        except OSError as exc:
+            outcome[path] = type(exc).__name__
+    return outcome
+"""
+
+SUMMER = """
+def total(x):
+    return float(x.sum())
+"""
+
+
+def test_10_a_program_cannot_poison_other_clients_cached_blobs(service: Service) -> None:
+    data = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: past --cache-bytes 1m / 4, so on disk only
+    digest = hashlib.sha256(data.tobytes()).hexdigest()
+    summing = Program()
+    summing.return_(
+        key="out",
+        value=summing.run(
+            fn=summing.get_function(module=summing.upload(kind="module", source=SUMMER), name="total", cpu_only=True),
+            args=[summing.upload(kind="tensor", value=data)],
+        ),
+    )
+    first = execute(service.url, summing)
+    assert first.completed, first.error
+    cache_dir = str(service.broker.run_dir.parent / "cache")
+    poisoned = execute(service.url, program_of(POISONER, "poison", cache_dir, digest, cpu_only=True))
+    assert poisoned.completed, poisoned.error
+    if service.sandbox == "bubblewrap":
+        assert "ok" not in poisoned.results["out"].values(), poisoned.results["out"]
+    second = execute(service.url, summing)
+    assert second.completed, second.error
+    assert second.results["out"] == first.results["out"] == float(data.sum())
+    # Inside bubblewrap the worker maps the blob from the read-only cache; without a sandbox the
+    # broker hashes it again on every read from disk and sends it as a frame.
+    assert ("blob_paths=1" in service.broker.log()) == (service.sandbox == "bubblewrap")
