@@ -471,7 +471,7 @@ def test_floods_do_not_delay_heartbeats_or_drop_answers(broker_factory: BrokerFa
 
     assert [r.results for r in honest] == [{"value": i} for i in range(5)], honest
     # The flooder gets an answer too; whether its RESULT survived its own flood is up to libzmq
-    # (see CLEAN_EXIT_RESULT_GRACE_SECONDS in the broker).
+    # (see CLEAN_EXIT_RESULT_GRACE_SECONDS in kcoral/broker/workers.py).
     assert flooded.status in ("COMPLETED", "FAILED"), flooded
     assert sum(health_answers.values()) == 10_000, health_answers
     gaps = [b - a for a, b in itertools.pairwise(beats) if b > started]

@@ -31,22 +31,14 @@ from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor, WorkerExit, slot_specs
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
-from kcoral.broker.workers import WorkerPool
+from kcoral.broker.workers import WorkerPool, result_grace_seconds
 from kcoral.metrics import ServiceMetrics, programs_in_flight
-from kcoral.service import auth
 from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
 
-WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
-# A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
-# whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
-# messages ahead of it, about 2 s of reading on a busy 2-core VM. (Measured: when the flood fills
-# the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
-# when the worker exits is lost, RESULT included; only the flooding program's own answer.)
-CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
 # PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
 # rate are dropped before they are decoded; a program that floods them costs the loop little.
 PROGRESS_PER_SECOND = 50.0
@@ -90,17 +82,9 @@ class Broker:
         self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
-            ShellSettings(
-                listen=settings.listen,
-                max_message_bytes=frame_limit,
-                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
-                metrics_listen=settings.metrics_listen,
-            ),
+            ShellSettings.of(settings, max_message_bytes=frame_limit),
             fail_request=self._finish_error,
             metrics=self.metrics,
-        )
-        self.zap = (
-            auth.ZapAuthenticator(self.shell.context, settings.security.authorized) if settings.security else None
         )
         self.requests = self.shell.requests
         self.queue: RequestQueue[Request] = RequestQueue()
@@ -152,13 +136,6 @@ class Broker:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
-        auth.check_listen(
-            self.settings.listen,
-            secured=self.settings.security is not None,
-            insecure_listen_any=self.settings.insecure_listen_any,
-        )
-        if self.zap is not None:
-            self.zap.start()  # before the client socket binds: no handshake goes unchecked
         return await self.shell.serve(self._open, self._release, self.metrics.counters)
 
     async def _open(self) -> None:
@@ -197,8 +174,6 @@ class Broker:
         if self.upstream is not None:
             await self.upstream.close()  # its sockets must be closed before the context ends
         await self.supervisor.stop()
-        if self.zap is not None:
-            await self.zap.close()
         self.backend.close(linger=0)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -450,9 +425,7 @@ class Broker:
             self.pool.forget(worker)
             return
         # The worker stays known for a moment: its RESULT may still be queued in the socket.
-        clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
-        grace = CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
-        asyncio.get_running_loop().call_later(grace, self._fail_crashed, request, worker, exit)
+        asyncio.get_running_loop().call_later(result_grace_seconds(exit), self._fail_crashed, request, worker, exit)
 
     def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
         self.pool.forget(worker)

@@ -21,9 +21,22 @@ from kcoral.broker.supervisor import SlotState, WorkerExit
 
 log = structlog.get_logger("kcoral.broker")
 
+WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
+# A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
+# whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
+# messages ahead of it, about 2 s of reading on a busy 2-core VM. (Measured: when the flood fills
+# the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
+# when the worker exits is lost, RESULT included; only the flooding program's own answer.)
+CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024
 EARLY_READY_SECONDS = 10.0
+
+
+def result_grace_seconds(exit: WorkerExit) -> float:
+    """How long the RESULT of a worker that exited while running a program may still arrive."""
+    clean = exit.returncode == 0 and exit.signal is None and not exit.reason and not exit.zygote_died
+    return CLEAN_EXIT_RESULT_GRACE_SECONDS if clean else WORKER_EXIT_GRACE_SECONDS
 
 
 class WorkerPool:
@@ -108,4 +121,4 @@ class WorkerPool:
         return {"idle": len(self.idle), "busy": sum(1 for w in self.workers.values() if w.request_id is not None)}
 
 
-__all__ = ["WorkerPool"]
+__all__ = ["WorkerPool", "result_grace_seconds"]

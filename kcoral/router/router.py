@@ -90,18 +90,8 @@ class Router:
         self.started_at = time.time()
         self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
-            "router",
-            ShellSettings(
-                listen=settings.listen,
-                max_message_bytes=settings.max_request_bytes,
-                socket_options=auth.client_socket_options(settings.security, auth.CLIENTS_DOMAIN),
-                metrics_listen=settings.metrics_listen,
-            ),
-            fail_request=self._finish_error,
-            metrics=self.metrics,
+            "router", ShellSettings.of(settings), fail_request=self._finish_error, metrics=self.metrics
         )
-        security = settings.security
-        self.zap = auth.ZapAuthenticator(self.shell.context, security.authorized) if security is not None else None
         self.orphans = OrphanWatch(settings.orphan_grace_seconds)
         self.shell.handlers.update(
             {
@@ -130,13 +120,12 @@ class Router:
     async def serve(self) -> int:
         """Serve until stopped; return the exit code. ``shell.drain()`` (SIGTERM, Ctrl-C: the CLI
         installs the signals) finishes the programs in flight first, ``shell.stop()`` does not."""
-        security = self.settings.security
-        for endpoint, flag in ((self.settings.listen, "--listen"), (self.settings.nodes_listen, "--nodes-listen")):
-            auth.check_listen(
-                endpoint, secured=security is not None, insecure_listen_any=self.settings.insecure_listen_any, flag=flag
-            )
-        if self.zap is not None:
-            self.zap.start()  # before any socket binds: no handshake goes unchecked
+        auth.check_listen(
+            self.settings.nodes_listen,
+            secured=self.settings.security is not None,
+            insecure_listen_any=self.settings.insecure_listen_any,
+            flag="--nodes-listen",
+        )
         return await self.shell.serve(self._open, self._release, self._counters)
 
     async def _open(self) -> None:
@@ -160,8 +149,6 @@ class Router:
         for node in list(self.nodes.values()):
             self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
         self.backend.close(linger=GOODBYE_LINGER_MS)
-        if self.zap is not None:
-            await self.zap.close()
 
     def _counters(self) -> dict[str, Any]:
         return {**self.metrics.counters(), **self.counters, "refused": self.shell.refused}

@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.metrics import MetricsServer, ServiceMetrics
+from kcoral.service import auth
 from kcoral.service.auth import peer_identity
 from kcoral.service.fairness import RateLimit
 from kcoral.service.sockets import receive_forever, router_socket, send_now
@@ -135,6 +136,25 @@ class InFlightTable(Generic[RequestT]):
         return {request.client for request in self._by_id.values()}
 
 
+class ServiceSettings(Protocol):
+    """What a service's settings (BrokerSettings, RouterSettings) tell its shell."""
+
+    @property
+    def listen(self) -> str: ...
+
+    @property
+    def max_request_bytes(self) -> int: ...
+
+    @property
+    def security(self) -> auth.ServerSecurity | None: ...
+
+    @property
+    def insecure_listen_any(self) -> bool: ...
+
+    @property
+    def metrics_listen(self) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class ShellSettings:
     """Where and how the client socket listens."""
@@ -142,11 +162,26 @@ class ShellSettings:
     listen: str
     # libzmq disconnects a peer that sends a larger frame (docs/protocol.md, section 1).
     max_message_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
-    # Set on the client socket before it binds (CurveZMQ keys and ZAP domain, say).
+    # CURVE keys and the authorized clients (kcoral/service/auth.py); None: no CURVE, and then a
+    # TCP endpoint beyond loopback is refused unless insecure_listen_any.
+    security: auth.ServerSecurity | None = None
+    insecure_listen_any: bool = False
+    # More options for the client socket, set before it binds.
     socket_options: Mapping[int, int | bytes] = field(default_factory=dict)
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
+
+    @classmethod
+    def of(cls, service: ServiceSettings, *, max_message_bytes: int | None = None) -> ShellSettings:
+        """The shell's part of a broker's or a router's settings."""
+        return cls(
+            listen=service.listen,
+            max_message_bytes=max_message_bytes or service.max_request_bytes,
+            security=service.security,
+            insecure_listen_any=service.insecure_listen_any,
+            metrics_listen=service.metrics_listen,
+        )
 
 
 class ServiceShell(Generic[RequestT]):
@@ -176,6 +211,9 @@ class ServiceShell(Generic[RequestT]):
         self.status_limit: RateLimit[bytes] = RateLimit(STATUS_REQUESTS_PER_SECOND, STATUS_REQUESTS_BURST)
         self._fail_request = fail_request
         self._stopped = asyncio.Event()
+        # One ZAP handler for every CURVE socket of the context: the clients', and a router's nodes'.
+        security = settings.security
+        self.zap = auth.ZapAuthenticator(self.context, security.authorized) if security is not None else None
         self.metrics = metrics
         self._metrics_server: MetricsServer | None = None
         self._dispatching: bytes | None = None  # the command whose handler runs now
@@ -193,6 +231,13 @@ class ServiceShell(Generic[RequestT]):
         that served logs ``<name>_stopped`` with its ``counters()`` last."""
         served = False
         try:
+            auth.check_listen(
+                self.settings.listen,
+                secured=self.settings.security is not None,
+                insecure_listen_any=self.settings.insecure_listen_any,
+            )
+            if self.zap is not None:
+                self.zap.start()  # before any socket binds: no handshake goes unchecked
             self.bind()
             if self.metrics is not None and self.settings.metrics_listen:
                 self._metrics_server = MetricsServer(self.metrics, self.settings.metrics_listen)
@@ -205,6 +250,8 @@ class ServiceShell(Generic[RequestT]):
             try:
                 await release()
             finally:
+                if self.zap is not None:
+                    await self.zap.close()
                 self.terminate()
         if served:
             log.info(f"{self.name}_stopped", **counters())
@@ -213,7 +260,11 @@ class ServiceShell(Generic[RequestT]):
     def bind(self, *more_endpoints: str) -> None:
         """Set the socket's options and bind it to ``settings.listen`` (and ``more_endpoints``)."""
         self.clients.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_message_bytes, protocol.MAX_BODY_BYTES))
-        for option, value in self.settings.socket_options.items():
+        options = {
+            **auth.client_socket_options(self.settings.security, auth.CLIENTS_DOMAIN),
+            **self.settings.socket_options,
+        }
+        for option, value in options.items():
             self.clients.set(option, value)
         for endpoint in (self.settings.listen, *more_endpoints):
             self.clients.bind(endpoint)

@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from kcoral.errors import ExecutionError
 from kcoral.timing.config import ESTIMATE_CALLS, BenchmarkConfig, split_config
+from kcoral.timing.cupti import CuptiUnavailable
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
     MODE_ROTATED,
@@ -51,7 +52,7 @@ from kcoral.timing.timers import (
     Runner,
     initial_hold_us,
 )
-from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, verify
+from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, ensure_tracer, verify
 
 DEFENCES_OFF_REASON: Final = "the integrity defences were turned off (config defences=False)"
 
@@ -124,11 +125,15 @@ def _choose_timer(method: str, state: ArmedState) -> tuple[CuptiTimer | EventTim
     """CUPTI wherever it worked at arm; CUDA events only where it never did, or when asked."""
     if method == "cuda_event":
         return EventTimer(), None
-    if state.tracer is None:
+    try:
+        tracer = ensure_tracer(state)
+    except CuptiUnavailable as exc:
+        raise ExecutionError("integrity", f"CUPTI imported when the worker started but fails now: {exc}") from exc
+    if tracer is None:
         if method == "cupti":
             raise ExecutionError("unavailable", f"CUPTI timing was requested but is unavailable: {state.cupti_error}")
         return EventTimer(), state.cupti_error
-    return CuptiTimer(state.tracer), None
+    return CuptiTimer(tracer), None
 
 
 def _is_cupti_failure(exc: BaseException) -> bool:

@@ -100,18 +100,24 @@ class CuptiTracer:
     @classmethod
     def get(cls) -> CuptiTracer:
         """The tracer armed for this process (``CuptiUnavailable`` where CUPTI does not work)."""
-        from kcoral.timing.trust import armed
+        from kcoral.timing.trust import armed, ensure_tracer
 
         state = armed()
-        if state.tracer is None:
+        tracer = ensure_tracer(state)
+        if tracer is None:
             raise CuptiUnavailable(state.cupti_error or "CUPTI is not available")
-        return state.tracer
+        return tracer
 
-    def __init__(self) -> None:
-        try:
-            from cupti import cupti
-        except Exception as exc:  # ImportError, or a missing libcupti raised from inside the import
-            raise CuptiUnavailable(f"cupti-python is not importable: {exc}") from exc
+    def __init__(self, module: Any = None) -> None:
+        """``module``: cupti-python's ``cupti`` module as captured earlier (by the timer's arm),
+        rather than looked up now through ``sys.modules``, which uploaded code can replace."""
+        if module is None:
+            try:
+                from cupti import cupti as imported
+            except Exception as exc:  # ImportError, or a missing libcupti raised from inside the import
+                raise CuptiUnavailable(f"cupti-python is not importable: {exc}") from exc
+            module = imported
+        cupti = module
         self._cupti: Any = cupti
         kinds = cupti.ActivityKind
         self._device_kinds: tuple[Any, ...] = (kinds.CONCURRENT_KERNEL, kinds.MEMCPY, kinds.MEMSET) + (
