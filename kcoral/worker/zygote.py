@@ -78,6 +78,10 @@ FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: c
 READ_CHUNK_BYTES = 65536
 
 
+# Imported by the zygote so that no worker pays for them (see Zygote.serve).
+TIMER_MODULES = ("cupti.cupti", "pynvml")
+
+
 @dataclass
 class ZygoteSettings:
     connect: str
@@ -214,6 +218,15 @@ class Zygote:
             # numpy loads numpy.random on first use; every worker reseeds it (and many programs
             # use it), and importing it after the fork costs each worker about 10 ms.
             importlib.import_module("numpy.random")
+        # What the timer arms with in every GPU worker before its program (kcoral.timing.trust):
+        # importing cupti-python after the fork cost each worker 54 to 77 ms on the H200, which
+        # held fresh workers to 15 a second. Importing loads the libraries and initialises no
+        # CUDA. Either may be missing (no gpu extra): the worker then reports why, as before.
+        for name in TIMER_MODULES:
+            try:
+                importlib.import_module(name)
+            except Exception:  # ImportError, or a missing libcupti raised inside the import
+                continue
         # Move everything imported so far out of the collector's sight: a worker's garbage
         # collections then leave these pages alone, and they stay shared with the zygote.
         gc.collect()
