@@ -119,6 +119,20 @@ def _tolerance(module: Any) -> dict[str, float]:
     return values
 
 
+
+def _exec_module(spec: Any, search_dir: Path, what: str) -> Any:
+    """Import ``spec``'s module with ``search_dir`` first on ``sys.path``; a failure is ``compile``."""
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(search_dir))
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except ExecutionError:
+        raise
+    except Exception as exc:
+        raise ExecutionError("compile", f"importing {what} raised {type(exc).__name__}: {exc}") from exc
+    return module
+
 def load_workload(folder: str | Path, module_name: str = "kcoral_workload") -> Workload:
     """Import ``folder/workload.py`` (with the folder first on ``sys.path``) and validate it."""
     root = Path(folder).resolve()
@@ -128,15 +142,7 @@ def load_workload(folder: str | Path, module_name: str = "kcoral_workload") -> W
     spec = importlib.util.spec_from_file_location(module_name, source)
     if spec is None or spec.loader is None:
         raise ExecutionError("parse", f"{source} cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(root))
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except ExecutionError:
-        raise
-    except Exception as exc:
-        raise ExecutionError("compile", f"importing {WORKLOAD_FILE} raised {type(exc).__name__}: {exc}") from exc
+    module = _exec_module(spec, root, WORKLOAD_FILE)
     make_inputs = _callable(module, "make_inputs", required=True)
     reference = _callable(module, "reference", required=True)
     assert make_inputs is not None and reference is not None
@@ -163,15 +169,7 @@ def load_candidate(path: str | Path, entry: str, module_name: str = "kcoral_cand
     spec = importlib.util.spec_from_file_location(module_name, source)
     if spec is None or spec.loader is None or not source.is_file():
         raise ExecutionError("parse", f"the candidate {path} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(source.parent))
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except ExecutionError:
-        raise
-    except Exception as exc:
-        raise ExecutionError("compile", f"importing the candidate raised {type(exc).__name__}: {exc}") from exc
+    module = _exec_module(spec, source.parent, "the candidate")
     fn = getattr(module, entry, None)
     if not callable(fn):
         raise ExecutionError("compile", f"the candidate {Path(path).name} defines no {entry}(...)")
