@@ -3,9 +3,11 @@
 A worker calls :func:`arm` when it starts, before it executes any program, so that what the timer
 relies on is taken from a process that no candidate has touched yet:
 
-- whether CUPTI works here (cupti-python imports, the activity callbacks register, its clock reads).
-  Where it worked, a later failure fails the instruction with ``integrity``: no silent fallback to
-  CUDA events, which a candidate could force (a 0.18 ms matmul on a side stream then read 0.02 ms);
+- whether CUPTI works here: outside a worker, cupti-python imports, the activity callbacks register
+  and its clock reads; in a worker, cupti-python's module is taken (the zygote imported it) and the
+  tracer is made from that module at the first measurement (:func:`ensure_tracer`). Where it
+  imported, a later failure fails the instruction with ``integrity``: no silent fallback to CUDA
+  events, which a candidate could force (a 0.18 ms matmul on a side stream then read 0.02 ms);
 - the CUPTI tracer itself (one per process), used through this object and never looked up again
   through a class attribute that uploaded code could reset;
 - references to the torch, CUPTI and standard-library functions the timer calls (``sync``,
