@@ -15,22 +15,37 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from kcoral import __version__, protocol
-from kcoral.units import format_bytes, parse_size
+from kcoral.cli_arguments import (
+    EXIT_USAGE,
+    _absolute_path,
+    _add_access_arguments,
+    _add_logging_flags,
+    _endpoint,
+    _existing_path,
+    _gpu_list,
+    _HelpFormatter,
+    _log_level,
+    _metrics_listen,
+    _node_id,
+    _non_negative,
+    _Parser,
+    _positive,
+    _positive_seconds,
+    _size,
+)
 
 if TYPE_CHECKING:
     from kcoral.service.shell import ServiceShell
 
 EXIT_OK = 0
-EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # the service could not be reached
 EXIT_CONFIG = 78  # the broker cannot start with these settings
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 DEFAULT_BROKER_URL = "tcp://127.0.0.1:5555"
 DEFAULT_ROUTER_URL = "tcp://127.0.0.1:6000"
@@ -140,185 +155,6 @@ def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type
         return EXIT_CONFIG
     except KeyboardInterrupt:  # before the handlers were installed
         return EXIT_OK
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: the full usage of ``kcoral broker`` is 20 lines, which
-    buries the message; ``--help`` is named instead."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Shows each flag's default (sizes human-readable) unless its help already names it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if not action.option_strings or "default" in text or default is None or default is False:
-            return text
-        if default == [] or default is argparse.SUPPRESS:
-            return text
-        shown = format_bytes(default) if action.type is _size else "%(default)s"
-        return f"{text} (default: {shown})"
-
-
-def _size(text: str) -> int:
-    try:
-        value = parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _log_level(text: str) -> str:
-    if text.lower() not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, not {text!r}")
-    return text.lower()
-
-
-def _gpu_list(text: str) -> tuple[int, ...]:
-    try:
-        gpus = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--gpus takes indices like 0,1, not {text!r}") from None
-    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
-        raise argparse.ArgumentTypeError(f"--gpus takes distinct indices >= 0, not {text!r}")
-    return gpus
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
-
-
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
-
-
-def _positive_seconds(text: str) -> float:
-    value = _seconds(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
-
-
-def _endpoint(text: str) -> str:
-    if not re.fullmatch(r"tcp://.+:[0-9]+|ipc://.+", text):
-        hint = f" (did you mean tcp://{text}?)" if re.fullmatch(r"[^/:]+:[0-9]+", text) else ""
-        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}{hint}")
-    return text
-
-
-def _metrics_listen(text: str) -> str:
-    from kcoral.metrics import parse_listen
-
-    try:
-        parse_listen(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _node_id(text: str) -> str:
-    if not protocol.ID_PATTERN.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"a node id is 1 to 200 of letters, digits and '_.:-', not {text!r}")
-    return text
-
-
-def _absolute_path(text: str) -> Path:
-    # Absolute from here on: a sandboxed zygote runs in /workspace, where a relative ipc:// path
-    # or bind source would point elsewhere.
-    return Path(text).absolute()
-
-
-def _existing_path(text: str) -> Path:
-    path = _absolute_path(text)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text} does not exist")
-    return path
-
-
-def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """The global flags; on a subcommand too (``kcoral broker --log-json``), where they default to
-    nothing so that they do not undo the same flag given before the subcommand."""
-    parser.add_argument(
-        "--log-level",
-        metavar="LEVEL",
-        type=_log_level,
-        default=None if top else argparse.SUPPRESS,
-        help=f"one of {', '.join(LOG_LEVELS)} (default: $KCORAL_LOG_LEVEL or info)",
-    )
-    parser.add_argument(
-        "--log-json",
-        action="store_true",
-        default=False if top else argparse.SUPPRESS,
-        help="one JSON object per log line",
-    )
-
-
-def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
-    """CurveZMQ and fair share, the same for broker and router (kcoral/service/)."""
-    parser.add_argument(
-        "--curve-secret-key",
-        type=_existing_path,
-        default=None,
-        metavar="FILE",
-        help="this service's secret key file (kcoral keys generate): CurveZMQ on its TCP endpoints",
-    )
-    parser.add_argument(
-        "--authorized-keys",
-        type=_existing_path,
-        default=None,
-        metavar="DIR",
-        help="a directory of the clients' public key files (*.key); only those clients may connect",
-    )
-    if nodes:
-        parser.add_argument(
-            "--authorized-node-keys",
-            type=_existing_path,
-            default=None,
-            metavar="DIR",
-            help="a directory of the host brokers' public key files; only those may register as nodes",
-        )
-    parser.add_argument(
-        "--insecure-listen-any",
-        action="store_true",
-        help="without keys, listen beyond loopback anyway (anyone who reaches the port may use it)",
-    )
-    parser.add_argument(
-        "--max-queued-per-client",
-        type=_positive,
-        default=None,
-        help="programs one client (one key, or one connection without keys) may have waiting "
-        "(default: a quarter of --max-queued)",
-    )
-    parser.add_argument(
-        "--orphan-grace",
-        type=_positive_seconds,
-        default=None,
-        help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
