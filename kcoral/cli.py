@@ -25,6 +25,7 @@ from kcoral.cli_arguments import (
     _absolute_path,
     _add_access_arguments,
     _add_logging_flags,
+    _add_max_request_bytes,
     _endpoint,
     _existing_path,
     _gpu_list,
@@ -214,12 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument(
         "--queue-timeout", type=_positive_seconds, default=3600.0, help="seconds a program may wait to start"
     )
-    broker.add_argument(
-        "--max-request-bytes",
-        type=_size,
-        default=protocol.DEFAULT_MAX_REQUEST_BYTES,
-        help="declared sizes and blob bytes of one program",
-    )
+    _add_max_request_bytes(broker)
     broker.add_argument(
         "--max-response-bytes",
         type=_size,
@@ -316,12 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds programs wait for a node while none is registered, then are refused (default 10)",
     )
-    router.add_argument(
-        "--max-request-bytes",
-        type=_size,
-        default=protocol.DEFAULT_MAX_REQUEST_BYTES,
-        help="declared sizes and blob bytes of one program",
-    )
+    _add_max_request_bytes(router)
     _add_access_arguments(router, nodes=True)
 
     keys = sub.add_parser("keys", help="CurveZMQ key pairs for services, clients and nodes")

@@ -192,3 +192,13 @@ def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = Fals
         default=None,
         help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
     )
+
+
+def _add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
+    """The one program-size bound that broker and router both check (kcoral/service/admission.py)."""
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_size,
+        default=protocol.DEFAULT_MAX_REQUEST_BYTES,
+        help="declared sizes and blob bytes of one program",
+    )
