@@ -36,7 +36,10 @@ except SandboxUnavailable as exc:
 PROGRAM_TIMEOUT_S = 30.0
 CLEANUP_DEADLINE_S = 10.0  # how long the zygote may take to wipe a slot after a program ends
 CLI_TIMEOUT_S = 60.0
-KNOWN_HOLE_WAIT_S = 4.0  # enough for a wipe or a zygote restart; an xfail waits all of it
+KNOWN_HOLE_WAIT_S = 4.0  # enough for a wipe; an xfail waits all of it
+# A restarted zygote imports torch afresh (inside a new bubblewrap): about 1 s on a quiet 2-core VM,
+# 7 to 9 s measured there at a load average of 15.
+ZYGOTE_RESTART_WAIT_S = 30.0
 KCORAL_PACKAGE = Path(__file__).resolve().parent.parent / "kcoral"
 
 # What a probe tries, as a script: ``probe(spec)`` returns, per attempt, "ok" or the error's name.
@@ -507,7 +510,7 @@ def test_slot_comes_back_after_a_program_kills_its_zygote(hostile: Sandboxed) ->
     source = "import os, signal\ndef kill():\n    os.kill(os.getppid(), signal.SIGKILL)\n"
     # The worker may finish its reply before it follows its zygote: either outcome is fine here.
     run(hostile.broker.url, source, "kill")
-    deadline = time.monotonic() + KNOWN_HOLE_WAIT_S
+    deadline = time.monotonic() + ZYGOTE_RESTART_WAIT_S
     with Client(hostile.broker.url) as client:
         while client.health()["workers"]["idle"] < 2:
             assert time.monotonic() < deadline, "the slot never served again"
