@@ -15,26 +15,10 @@
 # programs (which also set them themselves) all have them.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-gpus}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_batch_common.sh"
 export OUT  # the GPU tests leave their broker's log there
-cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-
-step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its exit status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "   rc=$rc after $((SECONDS - start))s" | tee -a "$SUMMARY"
-    tail -n 25 "$OUT/$name.log" | sed 's/^/   | /' >>"$SUMMARY"
-}
 
 {
     date -u
@@ -42,10 +26,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its
     env | grep -E '^(NCCL|NVSHMEM|TORCH_SYMM_MEM)_' | sort
 } >"$OUT/environment.txt"
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step install-wheels 45 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
-fi
-step install-kcoral 60 "$PY" -m pip install -q --no-deps --no-build-isolation --break-system-packages .
+install_kcoral
 
 # What the host has: GPUs, their PCI bus ids and device minors, and how KCoral numbers them.
 step host-gpus 15 bash -c '

@@ -18,27 +18,11 @@
 #   $OUT/timing-service.log  10 programs per workload: medians, spread, verdicts, worst vs ncu, pass
 #   $OUT/defences-cost.log   total benchmark() time with the defences on and off, alternating
 set -u
-export PYTHONUNBUFFERED=1
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-integrity}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
+source "$(dirname "$0")/gpu_batch_common.sh"
 PORT=${KCORAL_BATCH_PORT:-5555}
 URL="tcp://127.0.0.1:$PORT"
-: >"$SUMMARY"
-
-step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its exit status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "   rc=$rc after $((SECONDS - start))s" | tee -a "$SUMMARY"
-    tail -n 30 "$OUT/$name.log" | sed 's/^/   | /' >>"$SUMMARY"
-}
 
 {
     date -u
@@ -47,10 +31,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its
     command -v ncu || echo "ncu: not on PATH"
 } >"$OUT/environment.txt"
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step install-wheels 30 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
-fi
-step install-kcoral 40 "$PY" -m pip install -q --no-deps --no-build-isolation --break-system-packages .
+install_kcoral
 "$PY" -c 'import time, kcoral, kcoral.builtins, torch; from kcoral.timing import trust; t = time.perf_counter(); s = trust.arm(); print("kcoral", kcoral.__file__, "torch", torch.__version__, "cupti_error", s.cupti_error, "arm_ms", round((time.perf_counter() - t) * 1e3, 1))' \
     >>"$OUT/environment.txt" 2>&1
 

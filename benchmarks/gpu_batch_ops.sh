@@ -11,25 +11,9 @@
 # others. The limits add up to 440 s (7.3 minutes); the whole usually takes about 5.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-ops}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-
-step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its exit status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "   rc=$rc after $((SECONDS - start))s" | tee -a "$SUMMARY"
-    tail -n 30 "$OUT/$name.log" | sed 's/^/   | /' >>"$SUMMARY"
-}
+source "$(dirname "$0")/gpu_batch_common.sh"
 
 {
     date -u
@@ -38,10 +22,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its
     nvidia-smi --query-gpu=index,name,memory.total --format=csv 2>/dev/null || true
 } >"$OUT/environment.txt"
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step install-wheels 40 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
-fi
-step install-kcoral 50 "$PY" -m pip install -q --no-deps --no-build-isolation --break-system-packages .
+install_kcoral
 # prometheus-client (new in this issue) comes among the wheels: the host has no package index.
 
 MIX="constant=3,sleep:0.05=2,lease:0.02=3,tensor:1M=2,crash=1,raise=1,timeout:1=1,benchmark=3"

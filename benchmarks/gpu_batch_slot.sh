@@ -13,29 +13,11 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-slot}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.." || exit 1
-PY=${PYTHON:-python3}
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-
-step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its exit status
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "   rc=$rc after $((SECONDS - start))s" | tee -a "$SUMMARY"
-    tail -n 25 "$OUT/$name.log" | sed 's/^/   | /' >>"$SUMMARY"
-}
+source "$(dirname "$0")/gpu_batch_common.sh"
 
 { date -u; git log -1 --oneline 2>/dev/null || true; nvidia-smi -L; } >"$OUT/environment.txt" 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step install-wheels 50 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
-fi
-step install-kcoral 60 "$PY" -m pip install -q --no-deps --no-build-isolation --break-system-packages .
+install_kcoral
 
 # The lease attack with CUDA work: a program that gives its lease back and keeps computing.
 step test-slot-gpu 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_slot_gpu.py
