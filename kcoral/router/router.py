@@ -64,7 +64,7 @@ from kcoral.router.nodes import (
 )
 from kcoral.router.settings import NODE_WAIT_SECONDS, RouterSettings
 from kcoral.service import auth
-from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, refuse_gpu_count
 from kcoral.service.fairness import OrphanWatch
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket
@@ -94,6 +94,8 @@ class Router:
             "router", ShellSettings.of(settings), fail_request=self.fail, metrics=self.metrics
         )
         self.orphans = OrphanWatch(settings.orphan_grace_seconds)
+        per_client = client_queue_limit(settings.max_queued, settings.max_queued_per_client)
+        self.admission = AdmissionPolicy("router", settings.max_queued, per_client, settings.max_request_bytes)
         self.shell.handlers.update(
             {
                 protocol.EXECUTE: self._on_execute,
@@ -162,22 +164,13 @@ class Router:
 
     def _on_execute(self, message: ClientMessage) -> None:
         client, request_id, owner = message.client, message.request_id, message.owner or message.client
-        mine, limit = (
-            self.queue.queued_by(owner),
-            client_queue_limit(self.settings.max_queued, self.settings.max_queued_per_client),
-        )
-        if mine >= limit and request_id not in self.requests:
-            text = f"this client has {mine} programs waiting; one client may have at most {limit}"
-            self.shell.refuse(client, request_id, "busy", text)
-            return
         admitted = admit_execute(
             message.body,
-            service="router",
+            self.admission,
             already_in_flight=request_id in self.requests,
             draining=self.shell.draining,
             waiting=len(self.queue),
-            max_queued=self.settings.max_queued,
-            max_request_bytes=self.settings.max_request_bytes,
+            client_waiting=self.queue.queued_by(owner),
             capacity=lambda options: self._unservable(options.gpu_count or 0, queued_for=None),
         )
         if isinstance(admitted, Refusal):
