@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -57,30 +58,20 @@ class WorkerPort(Protocol):
         """Send the request's client a PARTIAL."""
 
 
+@dataclass(eq=False)
 class WorkerMessages:
     """The broker's side of its workers' messages and of its zygotes' reports."""
 
-    def __init__(
-        self,
-        settings: BrokerSettings,
-        *,
-        backend: zmq.asyncio.Socket,
-        pool: WorkerPool,
-        requests: InFlightTable[Request],
-        leases: LeaseTable,
-        supervisor: Supervisor,
-        port: WorkerPort,
-    ) -> None:
-        self.settings = settings
-        self.backend = backend
-        self.pool = pool
-        self.requests = requests
-        self.leases = leases
-        self.supervisor = supervisor
-        self.port = port
-        self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
-        self.progress_limit: RateLimit[bytes] = RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST)
-        self.ready_announced = False
+    settings: BrokerSettings
+    backend: zmq.asyncio.Socket
+    pool: WorkerPool
+    requests: InFlightTable[Request]
+    leases: LeaseTable
+    supervisor: Supervisor
+    port: WorkerPort
+    held_leases: dict[bytes, str] = field(default_factory=dict)  # worker identity -> the request whose lease it holds
+    progress_limit: RateLimit[bytes] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
+    ready_announced: bool = False
 
     def holds_lease(self, worker: Worker | None, request_id: str) -> bool:
         """Whether ``worker`` holds ``request_id``'s lease: it then goes back at the worker's exit."""
