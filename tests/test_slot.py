@@ -353,6 +353,60 @@ def test_2_a_program_cannot_reach_the_zygotes_descriptors_or_memory(service: Ser
     assert_next_programs_untouched(service.url)
 
 
+FREEZER = """
+import os, signal, time
+def freeze_the_zygote(how, hold_s):
+    zygote = os.getppid()
+    if how == "its group":
+        os.killpg(os.getpgid(zygote), signal.SIGSTOP)
+    elif how == "all it can signal":
+        os.kill(-1, signal.SIGSTOP)  # in the sandbox: every process of its pid namespace but init
+    else:
+        os.kill(zygote, signal.SIGSTOP)
+    time.sleep(hold_s)  # unwatched, were the zygote left stopped
+    return "still running"
+"""
+
+
+def wait_until_every_slot_serves(url: str, slots: int = 2) -> None:
+    deadline = time.monotonic() + 60
+    with Client(url) as client:
+        while client.health()["workers"]["idle"] < slots:
+            assert time.monotonic() < deadline, "a slot never served again"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["the zygote", "its group", "all it can signal"])
+def test_2_a_program_that_freezes_its_zygote_fails_and_its_slot_is_restarted(service: Service, how: str) -> None:
+    # A stopped zygote watches nothing: the supervisor finds it stopped, kills its slot's sandbox and
+    # starts a new zygote; the program fails saying so, and holds the GPU no longer than that.
+    if how == "all it can signal" and service.sandbox == "none":
+        pytest.skip("without a sandbox kill(-1) stops every process of the user, the tests' own among them")
+    start = time.monotonic()
+    result = execute(service.url, program_of(FREEZER, "freeze_the_zygote", how, 20.0))
+    assert_failed(result, "runtime", "its zygote died", "found stopped")
+    assert time.monotonic() - start < 10.0, "the frozen zygote went unnoticed for as long as a silent one"
+    wait_until_every_slot_serves(service.url)
+    assert_next_programs_untouched(service.url)
+
+
+SPOOFER = """
+import os, signal, time
+def say_the_broker_died():
+    os.kill(os.getppid(), signal.SIGUSR2)  # the signal the zygote gets when the broker dies
+    time.sleep(0.5)
+    return "still running"
+"""
+
+
+def test_2_a_program_cannot_make_its_zygote_believe_the_broker_died(service: Service) -> None:
+    restarts = zygote_restarts(service.url)
+    result = execute(service.url, program_of(SPOOFER, "say_the_broker_died", cpu_only=True))
+    assert result.completed and result.results["out"] == "still running", result.error
+    assert zygote_restarts(service.url) == restarts
+    assert_next_programs_untouched(service.url)
+
+
 # --- 3. The lease is cooperative -----------------------------------------------------------------
 
 LEASE_THIEF = """

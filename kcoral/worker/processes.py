@@ -53,6 +53,9 @@ PR_SET_CHILD_SUBREAPER = 36
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 KILL_PAUSE_SECONDS = 0.002  # between kill rounds: let the dying be re-parented to us
 KILL_GIVE_UP_SECONDS = 10.0  # a process stuck in the kernel (state D) is left for later rounds
+BLOCK_BYTES = 512  # the unit of st_blocks
+UNLINKED_MARK = " (deleted)"  # how /proc names a file that no directory holds any more
+SANDBOX_SEARCH_MOST = 16  # processes looked at for a zygote in its sandbox (bwrap, its init, it, a worker)
 
 # The broker flags behind each limit, named in the messages users see.
 LIMIT_FLAGS = {
@@ -206,6 +209,28 @@ def descendants(root: int, most: int | None = None, spare: frozenset[int] | set[
                 if most is not None and len(found) > most:
                     return found
     return found
+
+
+def namespace_pid(pid: int) -> int | None:
+    """The pid that process ``pid`` has in its own pid namespace (inside a sandbox), or None."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def find_in_sandbox(root: int, inside: int) -> int | None:
+    """Our pid of the process that is ``inside`` in its own pid namespace: ``root`` itself, or a
+    process below it (the zygote under the bwrap started as ``root``, say). Call it before any
+    program runs there: the first match wins."""
+    for pid in [root, *descendants(root, SANDBOX_SEARCH_MOST)]:
+        if namespace_pid(pid) == inside:
+            return pid
+    return None
 
 
 def orphans_from_workers(exclude: set[int]) -> list[ProcessInfo]:
@@ -475,11 +500,13 @@ __all__ = [
     "descendants",
     "describe_limit",
     "explain_limit_error",
+    "find_in_sandbox",
     "format_bytes",
     "kill_all",
     "kill_descendants",
     "kill_processes",
     "limit_breach",
+    "namespace_pid",
     "note_progress",
     "orphans_from_workers",
     "private_memory",

@@ -206,6 +206,7 @@ class Zygote:
         self.next_workspace_sample = 0.0
         self.next_alive = 0.0
         self.expected = SpareState.of_this_process(settings.limits)
+        self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -478,6 +479,8 @@ class Zygote:
             self.kill(child, reason)
 
     def _on_broker_death(self, signum: int, frame: Any) -> None:
+        if os.getppid() == self.parent:
+            return  # not the kernel's: a program sent it (we are re-parented before that one comes)
         self.stop("the broker went away")
 
 
