@@ -365,6 +365,7 @@ def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, conn
             max_programs=settings.max_programs_per_worker,
             limits=settings.limits,
             preload=settings.preload,
+            sandboxed=settings.sandbox == "bubblewrap",
         )
         argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
         specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
@@ -380,6 +381,7 @@ def zygote_command(
     max_programs: int,
     limits: dict[str, int],
     preload: str = "numpy,torch",
+    sandboxed: bool = False,
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -400,4 +402,6 @@ def zygote_command(
     ]
     if gpu is not None:
         argv += ["--gpu", str(gpu)]
+    if sandboxed:
+        argv.append("--sandboxed")
     return argv
