@@ -508,6 +508,42 @@ def test_3_the_lease_goes_back_only_when_its_holder_has_exited(service: Service)
     assert_next_programs_untouched(service.url)
 
 
+EARLY_LEAVER = """
+import gc, os, time
+import zmq
+from kcoral import protocol
+def leave_early_and_keep_going(how, hold_s):
+    request_id = os.environ["KCORAL_REQUEST_ID"]
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Socket) and not obj.closed and obj.type == zmq.DEALER:
+            if how == "result first":  # the broker answers the client, and the GPU stays taken
+                body = protocol.program_result(request_id, results={"out": "done early"})
+                obj.send_multipart([protocol.VERSION, protocol.RESULT, protocol.pack(body)])
+            else:  # the broker never hears from this worker again
+                obj.close(linger=0)
+    time.sleep(hold_s)  # "GPU work" after it
+    return "done"
+"""
+
+
+@pytest.mark.parametrize("how", ["result first", "socket closed"])
+def test_3_a_program_that_answers_early_or_hangs_up_keeps_the_lease_until_it_exits(service: Service, how: str) -> None:
+    hold_s = 1.0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        began = time.time()
+        leaver = pool.submit(execute, service.url, program_of(EARLY_LEAVER, "leave_early_and_keep_going", how, hold_s))
+        time.sleep(0.4)  # it holds the lease by now
+        after = pool.submit(execute, service.url, program_of(GPU_CLOCK, "started"))
+        left, waited = leaver.result(), after.result()
+    if how == "result first":
+        assert left.completed and left.results["out"] == "done early", left.error
+    else:
+        assert_failed(left, "runtime", "worker exited")
+    assert waited.completed, waited.error
+    assert waited.results["out"] >= began + hold_s, "the GPU went to the next program while the first still ran"
+    assert_next_programs_untouched(service.url)
+
+
 # --- 4. Limits escaped by clone(CLONE_PARENT) ---------------------------------------------------
 
 CLONE_PARENT_SPAWNER = """
@@ -951,6 +987,42 @@ def test_9_a_program_cannot_pose_as_a_worker_or_speak_for_its_zygote(service: Se
     assert all(v.completed for v in done), [v.error for v in done]
     with Client(service.url) as client:
         assert all(z["state"] == "running" for z in client.health()["workers"]["zygotes"])
+    assert_next_programs_untouched(service.url)
+
+
+FORGED_SHAPES = """
+import gc, os, time
+import zmq
+from kcoral import protocol
+def forge(changes):
+    body = protocol.program_result(os.environ["KCORAL_REQUEST_ID"])
+    body.update(changes)
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Socket) and not obj.closed and obj.type == zmq.DEALER:
+            obj.send_multipart([protocol.VERSION, protocol.RESULT, protocol.pack(body)])
+    time.sleep(10)
+"""
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"results": 5},
+        {"results": {1: 2}},
+        {"status": "WEIRD"},
+        {"status": "FAILED"},
+        {"error": "boom", "status": "FAILED"},
+        {"error": {"kind": 7, "message": "m"}, "status": "FAILED"},
+        {"elapsed_ms": "soon", "stdout": 5},
+        {"worker": [1]},
+    ],
+    ids=["results-int", "results-keys", "status", "failed-no-error", "error-str", "error-kind", "times", "worker"],
+)
+def test_9_a_result_of_the_wrong_shape_fails_its_program_clearly(service: Service, changes: dict[str, Any]) -> None:
+    # The program speaks for its worker with a RESULT the client could not read: the broker fails
+    # it, rather than hand its client a reply that breaks there.
+    result = execute(service.url, program_of(FORGED_SHAPES, "forge", changes, cpu_only=True), timeout_seconds=10)
+    assert_failed(result, "serialization", "could not be read")
     assert_next_programs_untouched(service.url)
 
 

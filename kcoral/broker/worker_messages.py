@@ -106,7 +106,11 @@ class WorkerMessages:
         elif command == protocol.PROGRESS:
             self._on_progress(request, body)
         elif command == protocol.RESULT:
-            self._on_result(request, worker, body, data)
+            malformed = slots.malformed_result(body)
+            if malformed is not None:  # a program wrote it: fail that program, not its client
+                self._fail_unreadable_result(identity, None, protocol.WireError(malformed))
+            else:
+                self._on_result(request, worker, body, data)
 
     def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
         """The instruction now running, or a piece of the program's output, which goes on to the
