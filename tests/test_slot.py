@@ -324,6 +324,45 @@ def test_4_shared_memory_segments_no_process_attached_count_against_the_limit(se
     assert_next_programs_untouched(service.url)
 
 
+KEYRINGS = """
+import ctypes, os
+SYS_ADD_KEY, SYS_KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+KEYRINGS = {"session": -3, "user": -4, "user-session": -5}
+KEYCTL_SEARCH, KEYCTL_READ = 10, 11
+def syscall():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall
+def leave(description, secret):
+    call = syscall()
+    return {name: call(SYS_ADD_KEY, b"user", f"{description}-{name}".encode(), secret.encode(), len(secret),
+                       ctypes.c_long(ring)) > 0 for name, ring in KEYRINGS.items()}
+def find(description):
+    call = syscall()
+    found = {}
+    for name, ring in KEYRINGS.items():
+        key = call(SYS_KEYCTL, KEYCTL_SEARCH, ctypes.c_long(ring), b"user", f"{description}-{name}".encode(), 0)
+        if key > 0:
+            data = ctypes.create_string_buffer(64)
+            found[name] = data.raw[: call(SYS_KEYCTL, KEYCTL_READ, ctypes.c_long(key), data, 64)]
+    return found
+"""
+
+
+def test_1_keys_a_program_leaves_in_its_keyrings_are_gone_before_the_next(service: Service) -> None:
+    if service.sandbox == "none":
+        pytest.skip("without a sandbox programs share the host user's keyrings, other programs' keys among them")
+    description = f"kcoral-{uuid.uuid4().hex[:8]}"
+    left = execute(service.url, program_of(KEYRINGS, "leave", description, "the first program's secret", cpu_only=True))
+    assert left.completed and all(left.results["out"].values()), (left.error, left.results)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one per slot: the first one's among them
+        spies = list(pool.map(lambda _: execute(service.url, program_of(KEYRINGS, "find", description)), range(2)))
+    for spy in spies:
+        assert spy.completed, spy.error
+        assert spy.results["out"] == {}, spy.results["out"]
+    assert_next_programs_untouched(service.url)
+
+
 # --- 2. Zygote blinding ------------------------------------------------------------------------------
 
 BLINDER = """

@@ -19,7 +19,11 @@ A program can also leave System V IPC objects (shared memory segments, semaphore
 queues): they outlive every process, and the next program could attach to them. Where the slot has
 an IPC namespace of its own (always inside bubblewrap; without a sandbox where the zygote may make
 one) the zygote removes them all with the files (:func:`remove_ipc_objects`), and counts the
-segments no process has attached against the memory limit (:func:`detached_segment_bytes`).
+segments no process has attached against the memory limit (:func:`detached_segment_bytes`). Inside
+bubblewrap the keys a program adds to its user, user-session or session keyring (the slot's: its
+user namespace is the sandbox's, and every worker inherits the zygote's session keyring) are
+cleared too (:func:`clear_keyrings`). POSIX message queues stay: listing them needs the mqueue
+filesystem mounted, which needs privileges a zygote may lack.
 """
 
 from __future__ import annotations
@@ -123,6 +127,23 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+# keyctl(2): the operation that unlinks every key of a keyring, and the keyrings a program shares
+# with the programs after it in the slot (user, user-session, session).
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+KEYCTL_CLEAR = 7
+SHARED_KEYRINGS = (-4, -5, -3)
+
+
+def clear_keyrings() -> None:
+    """Unlink every key of the keyrings this process shares with its workers. Only in a user
+    namespace of the slot's own: the host user's keyrings hold other programs' keys."""
+    if KEYCTL is None:
+        return
+    libc = _libc()
+    for keyring in SHARED_KEYRINGS:
+        libc.syscall(KEYCTL, KEYCTL_CLEAR, keyring)  # errors ignored: no such keyring, nothing to clear
+
+
 def private_ipc_namespace() -> bool:
     """Enter an IPC namespace of our own; whether we could (it needs CAP_SYS_ADMIN)."""
     return bool(_libc().unshare(CLONE_NEWIPC) == 0)
@@ -167,6 +188,7 @@ def detached_segment_bytes() -> int:
 __all__ = [
     "ENTRY_BYTES",
     "WorkspaceUsage",
+    "clear_keyrings",
     "detached_segment_bytes",
     "private_ipc_namespace",
     "remove_ipc_objects",

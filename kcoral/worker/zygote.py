@@ -94,6 +94,7 @@ class ZygoteSettings:
     eager_cuda: bool = False  # workers create their CUDA context before READY (real GPUs only)
     gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
     private_ipc: bool = False  # the IPC namespace is the slot's own: System V objects go between programs
+    sandboxed: bool = False  # in a sandbox of the slot's own: its user namespace (and keyrings) too
 
     @property
     def watched(self) -> bool:
@@ -273,6 +274,8 @@ class Zygote:
         workspace.wipe(self.settings.workspace)
         if self.settings.private_ipc:
             workspace.remove_ipc_objects()
+        if self.settings.sandboxed:
+            workspace.clear_keyrings()
 
     def children(self) -> list[Child]:
         return [c for c in (self.current, self.spare) if c is not None]
@@ -572,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_nodes=None if args.gpu_nodes is None else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
         # Without a sandbox, one of our own where we may make it (root): else the host's, shared.
         private_ipc=args.sandboxed or workspace.private_ipc_namespace(),
+        sandboxed=args.sandboxed,
     )
     return Zygote(settings).serve()
 
