@@ -975,6 +975,51 @@ def test_8_a_progress_flood_does_not_stall_the_broker(service: Service) -> None:
     assert_next_programs_untouched(service.url)
 
 
+LARGE_FLOODER = """
+import gc, os, time
+import zmq
+from kcoral import protocol
+def flood_large(command, size, seconds):
+    request_id = os.environ["KCORAL_REQUEST_ID"]
+    sock = next(o for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed and o.type == zmq.DEALER)
+    body = {"request_id": request_id, "slot": 0, "pad": b"p" * size}
+    message = [protocol.VERSION, getattr(protocol, command), protocol.pack(body)]
+    sent = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sock.send_multipart(message, copy=False)
+        sent += 1
+    return sent
+"""
+
+
+def test_8_a_flood_of_large_messages_neither_stalls_nor_swells_the_broker(service: Service) -> None:
+    # Only a RESULT may be large: the rest, however many, is dropped before it is decoded (decoding
+    # a 1-s flood of LEASEs of 32 MiB held the broker's loop for seconds).
+    command = "LEASE"
+    broker = psutil.Process(service.broker.process.pid)
+    before = broker.memory_info().rss
+    largest = before
+    slowest = 0.0
+    flood = program_of(LARGE_FLOODER, "flood_large", command, 32 << 20, 1.0, cpu_only=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        flooding = pool.submit(execute, service.url, flood, timeout_seconds=5)
+        with Client(service.url) as client:
+            while not flooding.done():
+                start = time.monotonic()
+                client.health()
+                slowest = max(slowest, time.monotonic() - start)
+                largest = max(largest, broker.memory_info().rss)
+                time.sleep(0.05)
+        try:
+            flooding.result()  # its own answer, completed or lost behind its flood: the program's affair
+        except KCoralError as exc:
+            assert exc.kind == "timeout", exc
+    assert slowest < 1.0, f"HEALTH took {slowest:.2f} s during a flood of large {command}s"
+    assert largest - before < 256 << 20, f"the broker grew by {(largest - before) >> 20} MiB"
+    assert_next_programs_untouched(service.url)
+
+
 # --- 9. Forged worker identity ----------------------------------------------------------------------
 
 IMPOSTOR = """

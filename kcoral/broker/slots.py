@@ -19,6 +19,14 @@ from kcoral.broker.requests import Worker
 # protocol.MAX_BODY_BYTES too; the worker keeps its bodies this far under the limit.
 FINAL_BODY_MARGIN_BYTES = 16 << 10
 MS_PER_S = 1000.0
+# A worker's messages but RESULT are small: READY and LEASE a few dozen bytes, PROGRESS at most
+# protocol.OUTPUT_PIECE_BYTES characters of output (4 bytes each at most). Larger ones are dropped
+# unread (measured: a program that sent LEASEs of 32 MiB for 3 s held the broker's loop decoding
+# them for over 10 s, and the broker's clients took it for gone).
+MAX_CONTROL_MESSAGE_BYTES = 4 * protocol.OUTPUT_PIECE_BYTES + (4 << 10)
+# A READY the broker cannot place yet is kept a while (kcoral.broker.workers): from any identity,
+# so it is bounded tighter.
+MAX_READY_BYTES = 4 << 10
 
 
 def oversized_result(frames: Sequence[Any]) -> str | None:
@@ -36,51 +44,10 @@ def oversized_result(frames: Sequence[Any]) -> str | None:
     return None
 
 
-# The fields of a RESULT body the client reads as they are, by type (the broker sets the others).
-RESULT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "stdout": str,
-    "stderr": str,
-    "stdout_truncated": bool,
-    "stderr_truncated": bool,
-    "elapsed_ms": (int, float),
-    "lease_wait_ms": (int, float),
-    "lease_held_ms": (int, float),
-    "worker": dict,
-}
-ERROR_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "kind": str,
-    "message": str,
-    "instruction_index": (int, type(None)),
-    "instruction_op": (str, type(None)),
-    "instruction_id": (str, type(None)),
-    "traceback": str,
-}
-
-
-def malformed_result(body: dict[str, Any]) -> str | None:
-    """Why a RESULT body is not a program's result the client can read, or None.
-
-    Only its outline: the status, an error map where it FAILED, the results as a map by name and
-    the fields of :data:`RESULT_FIELD_TYPES`. The returned values inside are the client's to decode
-    (a walk of them here would hold the event loop for as long as they are large); one it cannot
-    read is a ``protocol`` error of that program's own client.
-    """
-    status, error, results = body.get("status"), body.get("error"), body.get("results")
-    if status not in (protocol.COMPLETED, protocol.FAILED):
-        return f"its status is {str(status)[:40]!r}, not {protocol.COMPLETED} or {protocol.FAILED}"
-    if (error is None) != (status == protocol.COMPLETED):
-        return f"a {status} result with{'out' if error is None else ''} an error"
-    if not isinstance(results, dict) or not all(isinstance(name, str) for name in results):
-        return "its results are not a map by name"
-    if error is not None and not isinstance(error, dict):
-        return "its error is not a map"
-    fields = [(body, RESULT_FIELD_TYPES)] + ([(error, ERROR_FIELD_TYPES)] if error is not None else [])
-    for values, types in fields:
-        for name, kind in types.items():
-            value = values.get(name)
-            if name in values and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
-                return f"its {name} is a {type(value).__name__}"
-    return None
+def oversized_control(command: bytes, frames: Sequence[Any]) -> bool:
+    """Whether a worker message that is not a RESULT is larger than any a worker sends."""
+    most = MAX_READY_BYTES if command == protocol.READY else MAX_CONTROL_MESSAGE_BYTES
+    return sum(len(frame) for frame in frames) > most
 
 
 def reusable(worker: Worker, max_programs: int) -> bool:
@@ -105,4 +72,12 @@ def lease_times(asked_and_granted: tuple[float, float] | None, now: float) -> tu
     return (granted - asked) * MS_PER_S, (now - granted) * MS_PER_S
 
 
-__all__ = ["FINAL_BODY_MARGIN_BYTES", "lease_times", "malformed_result", "oversized_result", "reusable"]
+__all__ = [
+    "FINAL_BODY_MARGIN_BYTES",
+    "MAX_CONTROL_MESSAGE_BYTES",
+    "MAX_READY_BYTES",
+    "lease_times",
+    "oversized_control",
+    "oversized_result",
+    "reusable",
+]

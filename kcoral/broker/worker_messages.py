@@ -32,10 +32,12 @@ from kcoral.service.sockets import send_now
 
 log = structlog.get_logger("kcoral.broker")
 
-# PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
-# rate are dropped before they are decoded; a program that floods them costs the loop little.
+# Messages per worker but RESULT (mostly PROGRESS: the last instruction index is all the broker
+# keeps): beyond this rate they are dropped before they are decoded; a program that floods its
+# worker's socket costs the loop little.
 PROGRESS_PER_SECOND = 50.0
 PROGRESS_BURST = 100.0
+COMMAND_BYTES_MOST = 32  # a command frame is a short name: more is never read
 
 
 class WorkerPort(Protocol):
@@ -79,8 +81,13 @@ class WorkerMessages:
 
     def on_message(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
-        if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
-            return  # dropped before it is decoded: see PROGRESS_PER_SECOND
+        command = bytes(frames[2].buffer[:COMMAND_BYTES_MOST]) if len(frames) > 2 else b""
+        if command != protocol.RESULT:  # dropped before decoding: PROGRESS_PER_SECOND, MAX_CONTROL_MESSAGE_BYTES
+            if not self.progress_limit.allow(identity) or slots.oversized_control(command, frames[1:]):
+                return
+        sender = self.pool.workers.get(identity)
+        if command != protocol.READY and (sender is None or sender.request_id is None):
+            return  # from a worker with no program: none of it counts, so none of it is decoded
         try:
             oversized = slots.oversized_result([f.buffer for f in frames[1:]])
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
@@ -106,7 +113,7 @@ class WorkerMessages:
         elif command == protocol.PROGRESS:
             self._on_progress(request, body)
         elif command == protocol.RESULT:
-            malformed = slots.malformed_result(body)
+            malformed = protocol.malformed_result(body)
             if malformed is not None:  # a program wrote it: fail that program, not its client
                 self._fail_unreadable_result(identity, None, protocol.WireError(malformed))
             else:

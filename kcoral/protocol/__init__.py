@@ -107,6 +107,7 @@ from kcoral.protocol.results import (
     final_error,
     final_error_body,
     instruction_error,
+    malformed_result,
     program_result,
     with_broker_fields,
 )
@@ -228,6 +229,7 @@ __all__ = [
     "final_error_body",
     "instruction_error",
     "is_tensor",
+    "malformed_result",
     "message",
     "numpy_dtype",
     "pack",

@@ -118,6 +118,53 @@ def program_result(
     }
 
 
+# The fields of a worker's RESULT body a client reads as they are, by type (the broker sets the others).
+_RESULT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "stdout": str,
+    "stderr": str,
+    "stdout_truncated": bool,
+    "stderr_truncated": bool,
+    "elapsed_ms": (int, float),
+    "lease_wait_ms": (int, float),
+    "lease_held_ms": (int, float),
+    "worker": dict,
+}
+_ERROR_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "kind": str,
+    "message": str,
+    "instruction_index": (int, type(None)),
+    "instruction_op": (str, type(None)),
+    "instruction_id": (str, type(None)),
+    "traceback": str,
+}
+
+
+def malformed_result(body: Mapping[str, Any]) -> str | None:
+    """Why a worker's RESULT body is not a program's result a client can read, or None.
+
+    Only its outline: the status, an error map where it FAILED, the results as a map by name and
+    the fields of ``_RESULT_FIELD_TYPES``. The returned values inside are the client's to decode
+    (a walk of them in the broker would hold its event loop for as long as they are large); one it
+    cannot read is a ``protocol`` error of that program's own client.
+    """
+    status, error, results = body.get("status"), body.get("error"), body.get("results")
+    if status not in (COMPLETED, FAILED):
+        return f"its status is {str(status)[:40]!r}, not {COMPLETED} or {FAILED}"
+    if (error is None) != (status == COMPLETED):
+        return f"a {status} result with{'out' if error is None else ''} an error"
+    if not isinstance(results, dict) or not all(isinstance(name, str) for name in results):
+        return "its results are not a map by name"
+    if error is not None and not isinstance(error, dict):
+        return "its error is not a map"
+    fields = [(body, _RESULT_FIELD_TYPES)] + ([(error, _ERROR_FIELD_TYPES)] if error is not None else [])
+    for values, types in fields:
+        for name, kind in types.items():
+            value = values.get(name)
+            if name in values and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
+                return f"its {name} is a {type(value).__name__}"
+    return None
+
+
 def with_broker_fields(
     result: Mapping[str, Any], *, request_id: str, queue_ms: float, gpu_ids: Sequence[int], node_id: str | None
 ) -> dict[str, Any]:
