@@ -126,10 +126,9 @@ def execute_program(
         # The output follower's thread starts before the timer is armed: benchmark() counts the
         # threads started after arming as the program's, and this one is the worker's own.
         with follower:
-            if gpu_ids and refusal is None:
-                # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
-                # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
-                arm_timer()
+            # Before any uploaded code runs: the zygote armed the timer (see kcoral.timing.trust);
+            # the threads alive now are the worker's own, not the program's.
+            arm_timer()
             with capture:
                 error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, processes, workspace
 from kcoral.worker.state import reseed_generators
 
@@ -227,6 +228,7 @@ class Zygote:
                 importlib.import_module(name)
             except Exception:  # ImportError, or a missing libcupti raised inside the import
                 continue
+        arm_in_zygote()  # once, for every worker (see kcoral.timing.trust.arm_in_zygote)
         # Move everything imported so far out of the collector's sight: a worker's garbage
         # collections then leave these pages alone, and they stay shared with the zygote.
         gc.collect()
