@@ -135,6 +135,11 @@ class Supervisor:
             state.kill_asked = (state.worker, time.monotonic())
         self._command(slot, {"cmd": "kill"})
 
+    def program_started(self, slot: int) -> None:
+        """The slot's worker has a program: its successor may be forked now, off the path from that
+        program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
+        self._command(slot, {"cmd": "busy"})
+
     def prepare_next_worker(self, slot: int) -> None:
         """The slot's worker sent its last result: fork its successor now, while it exits. The
         zygote announces the successor (and the broker uses it) only once the worker has exited."""

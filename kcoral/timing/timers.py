@@ -256,6 +256,7 @@ def timed_calls(
             if reservoir is not None:
                 slot = reservoir.slot_for_next()
                 if slot is not None:
+                    kept_at = runner.trusted.perf_counter()
                     brackets.push(base + GAP_ID_OFFSET + index)
                     try:
                         with runner.trusted.plain_torch():
@@ -263,6 +264,7 @@ def timed_calls(
                     finally:
                         brackets.pop(base + GAP_ID_OFFSET + index, f"the snapshot of call {index}'s output")
                     reservoir.put(slot, kept)
+                    reservoir.snapshot_ms += (runner.trusted.perf_counter() - kept_at) * 1e3
             previous = (output, inputs)
             del output, inputs
         brackets.push(base + SENTINEL_ID_OFFSET)

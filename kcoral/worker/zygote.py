@@ -104,22 +104,45 @@ def emit(event: str, **fields: Any) -> None:
     os.write(1, (json.dumps({"event": event, **fields}) + "\n").encode())
 
 
-def close_inherited_descriptors() -> None:
-    """Close every descriptor above the standard streams.
+def _let_go(child: Child) -> None:
+    """Announce ``child`` to itself: it says READY to the broker now."""
+    if child.go is not None:
+        with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported as any other
+            os.write(child.go, b"g")
+    _close_go(child)
+
+
+def _close_go(child: Child) -> None:
+    if child.go is not None:
+        os.close(child.go)
+        child.go = None
+
+
+def close_inherited_descriptors(keep: int | None = None) -> None:
+    """Close every descriptor above the standard streams (but ``keep``, moved to the first of them).
 
     In the zygote: what its starter left open by mistake (the broker's event loop hands each
     child copies of its pipe ends). In a new worker: the zygote's epoll set, pidfds and any copy
     of its event and command pipes, none of which a program may touch (a program that could add a
     descriptor to the zygote's epoll set, or write an event line, would blind or fool it).
     """
-    os.closerange(FIRST_INHERITED_FD, os.sysconf("SC_OPEN_MAX"))
+    first = FIRST_INHERITED_FD
+    if keep is not None:
+        os.dup2(keep, FIRST_INHERITED_FD, inheritable=False)
+        first += 1
+    os.closerange(first, os.sysconf("SC_OPEN_MAX"))
 
 
-def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard) -> None:
-    """In the forked child: set the process up and run the worker loop; never returns."""
+def become_worker(
+    settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard, go: int
+) -> None:
+    """In the forked child: set the process up and run the worker loop; never returns.
+
+    ``go`` is the read end of the pipe on which the zygote announces it (see Zygote); the worker
+    closes it before any program runs."""
     code = EXIT_WORKER_CRASHED
     try:
-        close_inherited_descriptors()
+        close_inherited_descriptors(keep=go)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # not the zygote's command pipe
         os.close(devnull)
@@ -160,6 +183,7 @@ def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, boar
                 gpu=settings.gpu,
                 workspace=settings.workspace,
                 max_programs=settings.max_programs,
+                go_fd=FIRST_INHERITED_FD,
             )
         )
     except BaseException:
@@ -180,18 +204,26 @@ class Child:
     kill_reason: str = ""  # why we killed it, when we did
     kill_requested: bool = False  # the broker asked for the kill
     done_at: float | None = None  # when the broker said it had its last result: now it only exits
+    # The write end of its go pipe, until the zygote announces it: only then does it say READY.
+    go: int | None = None
 
 
 class Zygote:
     """Forks workers for one slot and reports their exits; one worker serves at a time.
 
-    The ``current`` worker is the one the broker knows (announced with ``forked``). When the broker
-    has its last result (command ``spare``) the next worker is forked at once, while the current
-    one is still exiting (a process with a CUDA context takes a hundred milliseconds or more), but
-    it stays a ``spare``: unannounced, so the broker gives it nothing. Only once the current worker
-    has exited, everything it started is dead and the workspace is wiped is the spare checked
-    (see :meth:`fit_to_serve`) and announced. A worker that does not exit within
-    RETIRE_GRACE_SECONDS of its last result is killed.
+    The ``current`` worker is the one the broker knows (announced with ``forked``). The next one is
+    forked ahead as a ``spare``: as soon as the current one has a program (command ``busy``), or,
+    where workers make their CUDA context while idle (which would load the GPU under the running
+    program), when the broker has its last result (command ``spare``). A spare is unannounced and
+    says nothing to the broker until the zygote writes to its go pipe, so the broker gives it
+    nothing. Only once the current worker has exited, everything it started is dead and the
+    workspace is wiped is the spare checked (see :meth:`fit_to_serve`) and announced.
+
+    Forked at the last result instead, the spare's fork (a few milliseconds for a process with
+    torch mapped) stood between the worker's exit and the zygote seeing it, and so between a
+    program's end and its GPU's next holder: on the two-GPU H200 that held fresh workers with 8 in
+    flight to 246 a second. A worker that does not exit within RETIRE_GRACE_SECONDS of its last
+    result is killed.
     """
 
     def __init__(self, settings: ZygoteSettings) -> None:
@@ -284,9 +316,11 @@ class Zygote:
         sys.stdout.flush()
         sys.stderr.flush()
         zygote_pid = os.getpid()
+        go_read, go_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity, zygote_pid, board)
+            become_worker(self.settings, identity, zygote_pid, board, go_read)
+        os.close(go_read)
         try:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -295,7 +329,7 @@ class Zygote:
         for which, value in processes.rlimit_values(self.settings.limits).items():
             with contextlib.suppress(OSError):
                 resource.prlimit(pid, which, value)
-        child = Child(pid, identity, pidfd, time.monotonic(), board)
+        child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write)
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, child)
         return child
@@ -309,6 +343,7 @@ class Zygote:
             spare = None
         child = spare if spare is not None else self.fork_worker()
         self.current = child
+        _let_go(child)
         self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
         emit("forked", worker=child.identity, pid=child.pid)
 
@@ -326,6 +361,7 @@ class Zygote:
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
         _kill_group(child.pid)
+        _close_go(child)
         if child.pidfd is not None:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
@@ -373,6 +409,7 @@ class Zygote:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
             child.pidfd = None
+        _close_go(child)
         if child is self.spare:
             self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
             return
@@ -465,6 +502,9 @@ class Zygote:
             if what == "kill" and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
+            elif what == "busy" and self.current is not None and not self.stopping and not self.settings.eager_cuda:
+                if self.spare is None:
+                    self.spare = self.fork_worker()
             elif what == "spare" and self.current is not None and not self.stopping:
                 if self.current.done_at is None:
                     self.current.done_at = time.monotonic()
