@@ -225,7 +225,7 @@ class FakeRunner:
         self.fn = fn
         self.next_index = 0
         self.torch = torch
-        self.trusted = SimpleNamespace(event=None, plain_torch=contextlib.nullcontext)
+        self.trusted = SimpleNamespace(event=None, plain_torch=contextlib.nullcontext, perf_counter=time.perf_counter)
 
     def next_inputs(self) -> tuple[int, tuple[Any, ...]]:
         self.next_index += 1
