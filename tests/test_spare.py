@@ -1,5 +1,5 @@
-"""A slot's next worker: forked while the program before it runs, announced only once that program's
-worker has exited (see kcoral.worker.zygote.Zygote). Through a real one-slot broker."""
+"""A slot's next worker: forked ahead, before the program before it ends, and announced only once
+that program's worker has exited (see kcoral.worker.zygote.Zygote). Through a real one-slot broker."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def program(seconds: float) -> Program:
 
 
 @pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
-def test_the_next_worker_is_forked_during_the_program_and_says_ready_after_it(
+def test_the_next_worker_is_forked_ahead_and_says_ready_only_after_the_program_before_it(
     broker_factory: BrokerFactory, sandbox: str
 ) -> None:
-    broker = broker_factory("--workers", "1", "--sandbox", sandbox)
+    broker = broker_factory("--device", "cpu", "--workers", "1", "--sandbox", sandbox)
     with Client(broker.url) as client:
         client.execute(program(0.0), timeout_seconds=30)  # the slot's first worker, forked at start
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -42,7 +42,7 @@ def test_the_next_worker_is_forked_during_the_program_and_says_ready_after_it(
             before, after = first.result(), second.result()
     assert before.completed and after.completed, (before.error, after.error)
     assert before.worker["identity"] != after.worker["identity"]
-    # Forked while the first program slept, off the path from its end to the next program...
+    # Forked before the first program ended, off the path from its end to the next program...
     assert after.worker["started_at"] < before.worker["finished_at"] - 0.2
     # ...but it said READY (and so could be given a program) only after the first one had ended.
     assert after.worker["ready_at"] >= before.worker["finished_at"]

@@ -212,18 +212,18 @@ class Zygote:
     """Forks workers for one slot and reports their exits; one worker serves at a time.
 
     The ``current`` worker is the one the broker knows (announced with ``forked``). The next one is
-    forked ahead as a ``spare``: as soon as the current one has a program (command ``busy``), or,
-    where workers make their CUDA context while idle (which would load the GPU under the running
-    program), when the broker has its last result (command ``spare``). A spare is unannounced and
-    says nothing to the broker until the zygote writes to its go pipe, so the broker gives it
-    nothing. Only once the current worker has exited, everything it started is dead and the
-    workspace is wiped is the spare checked (see :meth:`fit_to_serve`) and announced.
+    forked ahead as a ``spare`` as soon as the current one is announced (again at command ``busy``,
+    the current one has a program, where that spare was lost), or, where workers make their CUDA
+    context while idle (which would load the GPU under the running program), when the broker has
+    its last result (command ``spare``). A spare is unannounced and says nothing to the broker
+    until the zygote writes to its go pipe, so the broker gives it nothing. Only once the current
+    worker has exited, everything it started is dead and the workspace is wiped is the spare
+    checked (see :meth:`fit_to_serve`) and announced.
 
     Forked at the last result instead, the spare's fork (a few milliseconds for a process with
     torch mapped) stood between the worker's exit and the zygote seeing it, and so between a
-    program's end and its GPU's next holder: on the two-GPU H200 that held fresh workers with 8 in
-    flight to 246 a second. A worker that does not exit within RETIRE_GRACE_SECONDS of its last
-    result is killed.
+    program's end and its GPU's next holder; forked when the program came, it still did for short
+    programs. A worker that does not exit within RETIRE_GRACE_SECONDS of its last result is killed.
     """
 
     def __init__(self, settings: ZygoteSettings) -> None:
@@ -346,6 +346,14 @@ class Zygote:
         _let_go(child)
         self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
         emit("forked", worker=child.identity, pid=child.pid)
+        self.fork_spare_ahead()
+
+    def fork_spare_ahead(self) -> None:
+        """Fork the next worker now, while the current one waits for or runs its program: then no
+        fork is under way when the current one exits (see the class's docstring). Not where workers
+        make a CUDA context while idle: a spare's would load the GPU under the running program."""
+        if self.spare is None and self.current is not None and not self.stopping and not self.settings.eager_cuda:
+            self.spare = self.fork_worker()
 
     def fit_to_serve(self, spare: Child) -> bool:
         """Whether the spare is as forked: the program that ran beside it (the same user) could
@@ -502,9 +510,8 @@ class Zygote:
             if what == "kill" and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
-            elif what == "busy" and self.current is not None and not self.stopping and not self.settings.eager_cuda:
-                if self.spare is None:
-                    self.spare = self.fork_worker()
+            elif what == "busy":
+                self.fork_spare_ahead()  # where the one forked ahead was lost (killed, say)
             elif what == "spare" and self.current is not None and not self.stopping:
                 if self.current.done_at is None:
                     self.current.done_at = time.monotonic()
