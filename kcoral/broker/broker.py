@@ -125,7 +125,7 @@ class Broker:
         self.backend = router_socket(self.shell.context)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint)
-        self.supervisor = Supervisor(specs, self._on_worker_exit, self._on_worker_forked)
+        self.supervisor = Supervisor(specs, self._on_worker_exit, self._on_worker_forked, self._on_gpu_free)
         self.pool = WorkerPool(self.supervisor.states)
         self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
         self.upstream: UpstreamLink | None = None
@@ -421,6 +421,13 @@ class Broker:
         result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
         self._finish(request, protocol.final_body(request.id, result), data)
         self._dispatch()
+
+    def _on_gpu_free(self, worker: str) -> None:
+        """The zygote killed a finished worker that had no GPU device open or mapped (nor had
+        anything it started): it can run no more work on the GPU, whose lease goes back now."""
+        holder = self.held_leases.pop(worker.encode(), None)
+        if holder is not None:
+            self.leases.reclaim(holder)
 
     def _on_worker_exit(self, exit: WorkerExit) -> None:
         holder = self.held_leases.pop(exit.worker.encode(), None)

@@ -115,6 +115,8 @@ class Supervisor:
     slots: list[SlotSpec]
     on_exit: Callable[[WorkerExit], None]
     on_fork: Callable[[int, str], None] = lambda slot, worker: None
+    # A finished worker's processes are dead or hold no GPU device: its GPU lease may go back.
+    on_gpu_free: Callable[[str], None] = lambda worker: None
     states: dict[int, SlotState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
@@ -280,6 +282,8 @@ class Supervisor:
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
+        elif kind == "gpu_free" and state.worker == str(event.get("worker")):
+            self.on_gpu_free(str(event.get("worker")))
         elif kind == "spare_discarded":
             log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
         elif kind == "exited":

@@ -490,6 +490,23 @@ class Zygote:
             (info for info in map(processes.read_process, tree) if info is not None), spare_groups=spared
         )
 
+    def end_without_gpu(self, child: Child) -> None:
+        """The broker has the worker's last result: kill it and all it started now, and where none
+        of them has a GPU device open or mapped, say ``gpu_free`` so that the GPU lease goes back
+        before the exit is through.
+
+        A process's exit releases its memory before the kernel reports it: 2 to 7 ms for a process
+        with torch mapped, which, with the lease held until the exit, took fresh workers with 8 in
+        flight from 623 to 290 a second on the two-GPU H200 (a program that never touches its GPU).
+        A worker with a CUDA context still holds the lease until it has exited: its context goes
+        only then. Processes that cannot be read count as holding a GPU.
+        """
+        child.kill_requested = True
+        self.kill(child, "")
+        tree = [child.pid, *processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())]
+        if not any(confinement.holds_gpu_device(pid) is not False for pid in tree):
+            emit("gpu_free", worker=child.identity)
+
     def read_commands(self) -> None:
         try:
             chunk = os.read(0, READ_CHUNK_BYTES)
@@ -515,6 +532,7 @@ class Zygote:
             elif what == "spare" and self.current is not None and not self.stopping:
                 if self.current.done_at is None:
                     self.current.done_at = time.monotonic()
+                    self.end_without_gpu(self.current)
                 if self.spare is None:
                     self.spare = self.fork_worker()
             elif what == "stop":
