@@ -1,6 +1,7 @@
 """KCoral: a GPU evaluation service for people and agents who write GPU kernels."""
 
-from kcoral.client.client import AsyncClient, Client
+from kcoral.client.blocking import Client
+from kcoral.client.client import AsyncClient
 from kcoral.client.program import Program, Ref
 from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
 from kcoral.errors import ExecutionError, KCoralError, ProtocolError, TransportError

@@ -1,17 +1,21 @@
-"""The argument types and shared flag groups of the ``kcoral`` command (``kcoral.cli`` builds the
-parsers from them): each type turns one flag's text into a value or a one-line error."""
+"""The argument types, shared flag groups and exit statuses of the ``kcoral`` command (``kcoral.cli``
+and the subcommands' modules build the parsers from them): each type turns one flag's text into a
+value or a one-line error."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kcoral import protocol
 from kcoral.units import format_bytes, parse_size
 
+EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69  # the service could not be reached
+EXIT_CONFIG = 78  # the service cannot start with these settings
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -202,3 +206,34 @@ def _add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
         default=protocol.DEFAULT_MAX_REQUEST_BYTES,
         help="declared sizes and blob bytes of one program",
     )
+
+
+def _add_metrics_listen(parser: argparse.ArgumentParser) -> None:
+    """The Prometheus endpoint, the same for broker and router (kcoral/metrics.py)."""
+    parser.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        type=_metrics_listen,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+    )
+
+
+_METAVARS: dict[Any, str] = {
+    _size: "SIZE",
+    _endpoint: "URL",
+    _positive: "N",
+    _non_negative: "N",
+    _positive_seconds: "S",
+    _gpu_list: "LIST",
+    _absolute_path: "DIR",
+    _existing_path: "PATH",
+    _node_id: "NAME",
+}
+
+
+def _name_values(parser: argparse.ArgumentParser) -> None:
+    """``--cache-bytes SIZE`` in the usage rather than ``--cache-bytes CACHE_BYTES``."""
+    for action in parser._actions:
+        if action.metavar is None and action.type in _METAVARS:
+            action.metavar = _METAVARS[action.type]

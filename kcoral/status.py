@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from kcoral.client.client import Client
+from kcoral.client.blocking import Client
 from kcoral.errors import KCoralError
 from kcoral.keys import ClientKeys
 from kcoral.units import format_bytes

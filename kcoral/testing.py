@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
-from kcoral.client.client import Client
+from kcoral.client.blocking import Client
 from kcoral.errors import KCoralError
 
 START_TIMEOUT_SECONDS = 60.0

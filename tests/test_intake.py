@@ -265,6 +265,15 @@ def test_the_admission_checks_are_pure_functions() -> None:
         "the router is shutting down",
     )
     assert refuse_new_request(service="broker", **{**no, "waiting": 1}) == ("busy", "the queue is full (1 programs)")
+    share = dict(no, max_queued=10, max_queued_per_client=2)
+    assert refuse_new_request(service="router", **share, client_waiting=1) is None
+    assert refuse_new_request(service="router", **share, client_waiting=2) == (
+        "busy",
+        "this client has 2 programs waiting; one client may have at most 2",
+    )
+    # A repeated id is answered as such, whatever its client's share.
+    repeated = refuse_new_request(service="broker", **{**share, "already_in_flight": True}, client_waiting=2)
+    assert repeated is not None and repeated.kind == "parse"
     assert refuse_size(10, 10, service="broker") is None
     kind, message = refuse_size(11, 10, service="router") or ("", "")
     assert kind == "request_too_large" and "this router takes at most 10" in message

@@ -127,6 +127,13 @@ def assert_next_programs_untouched(url: str) -> None:
         assert result.lease_held_ms < VICTIM_HOLD_S * 1000 + 1000, result.lease_held_ms
 
 
+def zygote_restarts(url: str) -> list[int]:
+    with Client(url) as client:
+        zygotes = client.health()["workers"]["zygotes"]
+    assert all(z["state"] == "running" for z in zygotes), zygotes
+    return [z["restarts"] for z in zygotes]
+
+
 def assert_failed(result: ProgramResult, kind: str, *words: str) -> None:
     assert result.status == "FAILED", result.results
     assert result.error is not None and result.error["kind"] == kind, result.error
@@ -242,6 +249,21 @@ def test_1_the_next_worker_is_untouched_by_what_the_previous_program_left(servic
         assert single.stop() == 0
 
 
+CLOSER = """
+import os
+def close_every_descriptor():
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the worker's own socket among them
+    return "closed"
+"""
+
+
+def test_1_a_program_that_closes_every_descriptor_it_has_fails_alone(service: Service) -> None:
+    # Its worker loses its socket to the broker: the worker, not the slot, dies of it.
+    result = execute(service.url, program_of(CLOSER, "close_every_descriptor", cpu_only=True), timeout_seconds=10)
+    assert_failed(result, "runtime", "worker exited")
+    assert_next_programs_untouched(service.url)
+
+
 # --- 2. Zygote blinding ------------------------------------------------------------------------------
 
 BLINDER = """
@@ -282,6 +304,53 @@ def test_2_a_program_cannot_blind_the_zygote_and_the_watchdog_still_kills_it(ser
     with Client(url) as client:
         assert all(z["state"] == "running" for z in client.health()["workers"]["zygotes"])
     assert_next_programs_untouched(url)
+
+
+ZYGOTE_REACHER = """
+import ctypes, errno, os
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = {"x86_64": (434, 438), "aarch64": (434, 438)}[os.uname().machine]
+PTRACE_ATTACH, PTRACE_DETACH = 16, 17
+def reach_the_zygote():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    zygote = os.getppid()
+    reached = {}
+    pidfd = libc.syscall(SYS_PIDFD_OPEN, zygote, 0)
+    if pidfd >= 0:
+        for fd in range(16):  # its epoll set, command and event pipes are among these
+            if libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0) >= 0:
+                reached[f"pidfd_getfd {fd}"] = "ok"
+    for name in ("fd", "fdinfo", "map_files"):
+        try:
+            if os.listdir(f"/proc/{zygote}/{name}"):
+                reached[f"/proc {name}"] = "ok"
+        except OSError:
+            pass
+    for name in ("mem", "environ", "maps"):
+        try:
+            with open(f"/proc/{zygote}/{name}", "rb") as handle:
+                if handle.read(1):
+                    reached[f"/proc {name}"] = "ok"
+        except OSError:
+            pass
+    if libc.ptrace(PTRACE_ATTACH, zygote, 0, 0) == 0:
+        reached["ptrace"] = "ok"
+        libc.ptrace(PTRACE_DETACH, zygote, 0, 0)
+    return reached
+"""
+
+
+def test_2_a_program_cannot_reach_the_zygotes_descriptors_or_memory(service: Service) -> None:
+    # Other ways than an inherited epoll descriptor: take the zygote's descriptors with
+    # pidfd_getfd, read them or its memory through /proc, or trace it.
+    if service.sandbox == "none" and os.geteuid() == 0:
+        pytest.skip("root without a sandbox may trace any process: only bubblewrap walls the zygote off")
+    restarts = zygote_restarts(service.url)
+    result = execute(service.url, program_of(ZYGOTE_REACHER, "reach_the_zygote", cpu_only=True))
+    assert result.completed, result.error
+    assert result.results["out"] == {}, result.results["out"]
+    assert zygote_restarts(service.url) == restarts
+    assert_next_programs_untouched(service.url)
 
 
 # --- 3. The lease is cooperative -----------------------------------------------------------------
@@ -365,6 +434,34 @@ def test_4_processes_made_with_clone_parent_are_counted_and_killed(service: Serv
     assert_next_programs_untouched(service.url)
 
 
+CLONE_PARENT_HOGS = """
+import ctypes, os, signal, sys, time
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+CLONE_PARENT = 0x8000
+HOG = "import time; held = b'x' * ({each}); time.sleep(30)  # {token}"
+def hog(count, each, token):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    for _ in range(count):
+        if libc.syscall(SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0) == 0:  # the zygote's child
+            os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", HOG.format(each=each, token=token)])
+    time.sleep(20)
+"""
+
+
+def test_4_memory_of_processes_made_with_clone_parent_counts_against_the_limit(service: Service) -> None:
+    # Three processes of 0.6 GiB each, every one under the per-process limit of 1 GiB, and all of
+    # them the zygote's children rather than the worker's: together they pass --memory-limit.
+    token = uuid.uuid4().hex
+    result = execute(service.url, program_of(CLONE_PARENT_HOGS, "hog", 3, 600 << 20, token, cpu_only=True))
+    assert_failed(result, "runtime", "--memory-limit", "memory in use")
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while left := [p for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]:
+        assert time.monotonic() < deadline, f"processes made with CLONE_PARENT survived: {left}"
+        time.sleep(0.05)
+    assert_next_programs_untouched(service.url)
+
+
 # --- 5. Results lost as "crashes" -----------------------------------------------------------------
 
 BIG_RESULTS = """
@@ -382,6 +479,18 @@ def full_stdout():
     sys.stdout.write("z" * (70 << 20))
     sys.stdout.flush()
     return "kept"
+def deep_nesting():
+    value = []
+    for _ in range(100_000):
+        value = [value]
+    return value
+def a_cycle():
+    value = {}
+    value["self"] = value
+    return value
+def at_the_inline_bound(extra):
+    from kcoral.worker.interpreter import MAX_INLINE_RESULT_BYTES
+    return "x" * (MAX_INLINE_RESULT_BYTES - 5 + extra)  # a str of over 64 KiB: 5 bytes of header
 def invalid_utf8():
     sys.stdout.flush()
     sys.stdout.buffer.write(b"\\xff" * (30 << 20))
@@ -399,6 +508,8 @@ def invalid_utf8():
         ("many_tensors", "serialization", ["data frames"]),
         ("full_stdout", None, []),
         ("invalid_utf8", None, []),
+        ("deep_nesting", "serialization", ["nested deeper"]),
+        ("a_cycle", "serialization", ["nested deeper"]),
     ],
 )
 def test_5_results_of_any_size_end_completed_or_clearly_failed(
@@ -418,6 +529,19 @@ def test_5_results_of_any_size_end_completed_or_clearly_failed(
         assert 0 < len(result.stdout.encode()) <= 64 << 20
     else:
         assert_failed(result, kind, *words)
+        assert "worker exited" not in result.error["message"]
+
+
+@pytest.mark.parametrize(("extra", "kind"), [(0, None), (1, "serialization")])
+def test_5_a_value_at_the_bound_of_a_results_body_completes_and_one_byte_more_fails(
+    service: Service, extra: int, kind: str | None
+) -> None:
+    result = execute(service.url, program_of(BIG_RESULTS, "at_the_inline_bound", extra, cpu_only=True))
+    if kind is None:
+        assert result.completed, result.error
+        assert len(result.results["out"]) > 50 << 20
+    else:
+        assert_failed(result, kind, "bytes of the result's body")
         assert "worker exited" not in result.error["message"]
 
 
@@ -477,6 +601,31 @@ class Float(float):
 class Loud(Exception):
     def __str__(self):
         raise RuntimeError("str")
+class Exiting(list):
+    def __iter__(self):
+        raise SystemExit(0)
+class Interrupting(int):
+    def __int__(self):
+        raise KeyboardInterrupt()
+    def __index__(self):
+        raise KeyboardInterrupt()
+class ExitingTensor(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise SystemExit(3)
+class ExitingMessage(Exception):
+    def __str__(self):
+        raise SystemExit(4)
+def exits_on_iteration():
+    return Exiting([1])
+def interrupts_on_conversion():
+    return Interrupting(5)
+def an_exiting_tensor():
+    return torch.zeros(3).as_subclass(ExitingTensor)
+def exits_reading_its_message():
+    raise ExitingMessage()
+def exits():
+    raise SystemExit(0)
 def a_dict():
     return Dict(a=1)
 def a_list():
@@ -498,6 +647,11 @@ def an_exception():
         ("a_float", "serialization"),
         ("a_meta_tensor", "serialization"),
         ("an_exception", "runtime"),
+        ("exits_on_iteration", "serialization"),
+        ("interrupts_on_conversion", "serialization"),
+        ("an_exiting_tensor", "serialization"),
+        ("exits_reading_its_message", "runtime"),
+        ("exits", "runtime"),
     ],
 )
 def test_6_values_whose_own_methods_raise_fail_the_return_not_the_worker(

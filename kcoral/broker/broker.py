@@ -22,27 +22,22 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker import slots
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
-from kcoral.broker.leases import LeaseReclaimed, LeaseTable, choose_gpus
+from kcoral.broker.leases import LeaseTable, choose_gpus
 from kcoral.broker.requests import Request, RequestQueue, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import Supervisor, WorkerExit, slot_specs
+from kcoral.broker.supervisor import Supervisor, slot_specs
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
-from kcoral.broker.workers import WorkerPool, result_grace_seconds
+from kcoral.broker.worker_messages import WorkerMessages
+from kcoral.broker.workers import WorkerPool
 from kcoral.metrics import ServiceMetrics, programs_in_flight
-from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
+from kcoral.service.fairness import OrphanWatch, UploadBudget
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 
 log = structlog.get_logger("kcoral.broker")
-
-# PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
-# rate are dropped before they are decoded; a program that floods them costs the loop little.
-PROGRESS_PER_SECOND = 50.0
-PROGRESS_BURST = 100.0
 
 
 class Broker:
@@ -50,8 +45,9 @@ class Broker:
 
     It holds a :class:`~kcoral.service.shell.ServiceShell` (the client socket, receive loop,
     replies, requests in flight, tasks and lifecycle), a :class:`ProgramIntake` (EXECUTE and
-    BLOBS) and a :class:`WorkerPool` (which workers may take programs), and runs the programs'
-    way through them itself: dispatch, leases, results, timeouts and exits.
+    BLOBS), a :class:`WorkerPool` (which workers may take programs) and :class:`WorkerMessages`
+    (what the workers and their zygotes say: leases, results, exits), and runs the rest of the
+    programs' way itself: dispatch to a worker, timeouts, the FINAL, heartbeats and health.
     """
 
     def __init__(self, settings: BrokerSettings) -> None:
@@ -90,7 +86,6 @@ class Broker:
         self.queue: RequestQueue[Request] = RequestQueue()
         self.trusted_owners: set[bytes] = set()  # the router relay: the router applies the shares
         self.orphans = OrphanWatch(settings.orphan_grace_seconds)
-        self.progress_limit: RateLimit[bytes] = RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST)
         # What HEALTH and TARGET say that never changes, found once (versions() alone took about
         # 1.6 ms of the loop per HEALTH).
         self.hostname = stdlib_socket.gethostname()
@@ -125,11 +120,24 @@ class Broker:
         self.backend = router_socket(self.shell.context)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint)
-        self.supervisor = Supervisor(specs, self._on_worker_exit, self._on_worker_forked, self._on_gpu_free)
+        # The zygotes' reports go to the worker side, made just below (it needs the supervisor).
+        self.supervisor = Supervisor(
+            specs,
+            lambda exit: self.worker_messages.on_exit(exit),
+            lambda s, w: self.worker_messages.on_forked(s, w),
+            lambda worker: self.worker_messages.on_gpu_free(worker),
+        )
         self.pool = WorkerPool(self.supervisor.states)
-        self.held_leases: dict[bytes, str] = {}  # worker identity -> the request whose lease it holds
+        self.worker_messages = WorkerMessages(
+            settings,
+            backend=self.backend,
+            pool=self.pool,
+            requests=self.requests,
+            leases=self.leases,
+            supervisor=self.supervisor,
+            port=self,
+        )
         self.upstream: UpstreamLink | None = None
-        self.ready_announced = False
 
     # --- setup ---
 
@@ -142,7 +150,9 @@ class Broker:
         (self.run_dir / "ipc").mkdir(parents=True, exist_ok=True)
         self.backend.bind(self.worker_endpoint)
         await self.supervisor.start()
-        self.shell.spawn(receive_forever(self.backend, self._handle_worker, "worker_message_failed"), name="workers")
+        self.shell.spawn(
+            receive_forever(self.backend, self.worker_messages.on_message, "worker_message_failed"), name="workers"
+        )
         self.shell.spawn(self._heartbeat_loop(), name="heartbeats")
         if self.settings.upstream:
             node_id = self.settings.node_id or default_node_id(self.settings.listen)
@@ -195,9 +205,9 @@ class Broker:
 
     def enqueue(self, request: Request) -> None:
         self.queue.push(request)
-        self._dispatch()
+        self.dispatch()
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
         if self.shell.stopping:
             return
         while self.pool.idle:
@@ -220,9 +230,9 @@ class Broker:
 
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program, and the GPUs still
-        held by a finished program's worker until it has exited (see _on_worker_exit): a program
-        placed there would wait for that exit while another GPU stood free. On the two-GPU H200,
-        counting those raised fresh workers one at a time from 126 to 150 a second."""
+        held by a finished program's worker until it has exited (see WorkerMessages.on_exit): a
+        program placed there would wait for that exit while another GPU stood free. On the two-GPU
+        H200, counting those raised fresh workers one at a time from 126 to 150 a second."""
         load = {g: 0 for g in self.gpu_ids}
         running: set[str] = set()
         for request in self.requests:
@@ -306,195 +316,14 @@ class Broker:
             f"the program ran past its timeout of {request.options.timeout_seconds:g} s and was killed",
         )
 
-    # --- workers ---
-
-    def _handle_worker(self, frames: list[zmq.Frame]) -> None:
-        identity = bytes(frames[0].buffer)
-        if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
-            return  # dropped before it is decoded: see PROGRESS_PER_SECOND
-        try:
-            oversized = slots.oversized_result([f.buffer for f in frames[1:]])
-            command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
-        except protocol.WireError as exc:
-            log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
-            self._fail_unreadable_result(identity, oversized, exc)
-            return
-        if oversized is not None:
-            self._fail_unreadable_result(identity, oversized, None)
-            return
-        if command == protocol.READY:
-            self._on_ready(identity, body)
-            return
-        worker = self.pool.workers.get(identity)
-        if worker is None:
-            return
-        request = self.requests.get(worker.request_id or "")
-        if request is None or body.get("request_id") != request.id:
-            return
-        if command == protocol.LEASE:
-            if request.lease_task is None or request.lease_task.done():
-                request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
-        elif command == protocol.PROGRESS:
-            self._on_progress(request, body)
-        elif command == protocol.RESULT:
-            self._on_result(request, worker, body, data)
-
-    def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
-        """The instruction now running, or a piece of the program's output, which goes on to the
-        client as PARTIAL ``output`` (a client shows it live; the result repeats all of it)."""
-        index, stream, offset, text = body.get("index"), body.get("stream"), body.get("offset"), body.get("text")
-        if isinstance(index, int):
-            request.instruction_index = index
-        elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
-            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
-                piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
-                self.tell(request, piece)
-
-    def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
-        if self.pool.ready(identity, body) is not None:
-            self._worker_joined()
-
-    def _on_worker_forked(self, slot: int, worker: str) -> None:
-        if self.pool.forked(slot, worker) is not None:
-            self._worker_joined()
-
-    def _worker_joined(self) -> None:
-        if not self.ready_announced and len(self.pool.idle) >= len(self.supervisor.slots):
-            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
-            self.ready_announced = True
-            log.info("broker_ready", endpoint=self.settings.listen, slots=len(self.pool.idle), gpus=list(self.gpu_ids))
-        self._dispatch()
-
-    async def _grant_lease(self, request: Request, worker: Worker) -> None:
-        try:
-            grant = await self.leases.acquire(request.id, request.gpu_ids)
-        except (LeaseReclaimed, asyncio.CancelledError):
-            return
-        if self.requests.get(request.id) is not request or request.state != "running" or worker.exited:
-            self.leases.release(request.id)
-            return
-        # Held until the zygote reports this worker's exit (see _on_worker_exit), whatever the
-        # worker says: until then its program could still run work on the GPU.
-        self.held_leases[worker.identity] = request.id
-        request.lease_times = (grant.requested_at, grant.granted_at)
-        try:
-            send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
-        except zmq.ZMQError:
-            self.leases.release(request.id)
-
-    def _on_result(self, request: Request, worker: Worker, body: dict[str, Any], data: list[Any]) -> None:
-        worker.request_id = None
-        if worker.exited:
-            self.pool.forget(worker)
-        raw_info = body.get("worker")
-        info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
-        reusable = slots.reusable(worker, self.settings.max_programs_per_worker)
-        if info.get("reusable") and reusable and worker.identity in self.pool.workers:
-            holder = self.held_leases.pop(worker.identity, None)
-            if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
-                self.leases.release(holder)
-            view = info.get("gpu_view")
-            if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
-                worker.gpu_view = tuple(sorted(view))
-            self.pool.idle[worker.identity] = worker
-        else:
-            if info.get("retire_reason"):
-                log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
-            if not worker.exited:
-                self.supervisor.prepare_next_worker(worker.slot)
-        response_bytes = sum(len(f) for f in data)
-        error = body.get("error")
-        # The worker stops at the limit (error kind response_too_large) instead of sending it all.
-        stopped = isinstance(error, dict) and error.get("kind") == "response_too_large"
-        if stopped or response_bytes > self.settings.max_response_bytes:
-            self._finish_error(
-                request,
-                "response_too_large",
-                f"the results are over {self.settings.max_response_bytes} bytes, the most this broker returns",
-            )
-            self._dispatch()
-            return
-        queue_ms = (request.started_at - request.queued_at) * 1000
-        result = protocol.with_broker_fields(
-            body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self._node_id()
-        )
-        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
-        self._finish(request, protocol.final_body(request.id, result), data)
-        self._dispatch()
-
-    def _on_gpu_free(self, worker: str) -> None:
-        """The zygote killed a finished worker that had no GPU device open or mapped (nor had
-        anything it started): it can run no more work on the GPU, whose lease goes back now."""
-        holder = self.held_leases.pop(worker.encode(), None)
-        if holder is not None:
-            self.leases.reclaim(holder)
-
-    def _on_worker_exit(self, exit: WorkerExit) -> None:
-        holder = self.held_leases.pop(exit.worker.encode(), None)
-        if holder is not None:
-            # The worker and all it started are gone (the zygote says so only then): the GPU is free.
-            self.leases.reclaim(holder)
-        worker = self.pool.exit(exit)
-        if worker is None or worker.request_id is None:
-            return
-        request = self.requests.get(worker.request_id)
-        if request is None:
-            self.pool.forget(worker)
-            return
-        # The worker stays known for a moment: its RESULT may still be queued in the socket.
-        asyncio.get_running_loop().call_later(result_grace_seconds(exit), self._fail_crashed, request, worker, exit)
-
-    def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
-        self.pool.forget(worker)
-        if self.requests.get(request.id) is not request or request.worker is not worker:
-            return
-        index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
-        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
-        message = f"worker exited while executing the instruction ({exit.describe()})"
-        self._finish_failed(request, "runtime", message, index)
-
-    def _fail_unreadable_result(self, identity: bytes, oversized: str | None, exc: protocol.WireError | None) -> None:
-        """A message from a running worker that cannot become a FINAL: fail its program clearly."""
-        worker = self.pool.workers.get(identity)
-        request = self.requests.get(worker.request_id or "") if worker is not None else None
-        if request is None or worker is None:
-            return
-        log.warning("unreadable_result", request_id=request.id, worker=identity.decode(), error=oversized or str(exc))
-        if oversized is not None:
-            self._finish_error(request, "response_too_large", oversized)
-        else:
-            self._finish_failed(request, "serialization", f"the worker's result could not be read: {exc}", None)
-
-    def _finish_failed(self, request: Request, kind: str, message: str, index: int | None) -> None:
-        """Answer a running program with a FAILED result the broker writes itself."""
-        instructions = request.program.get("instructions", [])
-        ins = instructions[index] if index is not None and index < len(instructions) else {}
-        lease_wait_ms, lease_held_ms = slots.lease_times(request.lease_times, time.monotonic())
-        result = protocol.program_result(
-            request.id,
-            error=protocol.instruction_error(kind, message, index, ins),
-            queue_ms=(request.started_at - request.queued_at) * 1000,
-            elapsed_ms=(time.monotonic() - request.started_at) * 1000,
-            lease_wait_ms=lease_wait_ms,
-            lease_held_ms=lease_held_ms,
-            gpu_ids=request.gpu_ids,
-            node_id=self._node_id(),
-        )
-        worker = request.worker
-        self._finish(request, protocol.final_body(request.id, result), [])
-        if worker is not None and not worker.exited:
-            worker.request_id = None
-            self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot)
-        self._dispatch()
-
-    def _node_id(self) -> str | None:
+    @property
+    def node_id(self) -> str | None:
         """This broker's node id in results, where it serves a router."""
         return self.upstream.node_id if self.upstream is not None else None
 
     # --- replies ---
 
-    def _finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
+    def finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
         """Answer a request once and forget it."""
         if self.requests.pop(request.id) is None:
             return
@@ -502,7 +331,7 @@ class Broker:
             request.timer.cancel()
         if request.lease_task is not None:
             request.lease_task.cancel()
-        if request.worker is None or self.held_leases.get(request.worker.identity) != request.id:
+        if not self.worker_messages.holds_lease(request.worker, request.id):
             self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
         self.intake.uploads.release(request.id)
@@ -529,13 +358,13 @@ class Broker:
     def _finish_error(self, request: Request, kind: str, message: str) -> None:
         worker = request.worker
         running = request.state == "running" and worker is not None
-        self._finish(request, protocol.final_error_body(request.id, kind, message), [])
+        self.finish(request, protocol.final_error_body(request.id, kind, message), [])
         if running and worker is not None:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
             self.pool.forget(worker)
             self.supervisor.kill_worker(worker.slot)
-        self._dispatch()
+        self.dispatch()
 
     def fail(self, request: Request, kind: str, message: str) -> None:
         self._finish_error(request, kind, message)

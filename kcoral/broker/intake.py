@@ -24,7 +24,7 @@ from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
 from kcoral.broker.requests import Request
 from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
-from kcoral.service.admission import Refusal, admit_execute, declared_sizes, refuse_gpu_count
+from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, declared_sizes, refuse_gpu_count
 from kcoral.service.fairness import UploadBudget
 from kcoral.service.shell import ClientMessage, InFlightTable
 from kcoral.service.tasks import TaskSet
@@ -100,6 +100,9 @@ class ProgramIntake:
         # Owners exempt from the per-client share: the broker's own router relay, whose clients
         # the router holds to their shares.
         self.trusted = trusted
+        self.admission = AdmissionPolicy(
+            "broker", settings.max_queued, settings.max_queued_per_client, settings.max_request_bytes
+        )
 
     # --- the two commands ---
 
@@ -146,19 +149,13 @@ class ProgramIntake:
             if r.state in ("negotiating", "queued"):
                 waiting += 1
                 mine += r.owner == owner
-        limit = self.settings.max_queued_per_client
-        if mine >= limit and owner not in self.trusted and request_id not in self.requests:
-            text = f"this client has {mine} programs waiting; one client may have at most {limit}"
-            self.port.refuse(client, request_id, "busy", text)
-            return
         admitted = admit_execute(
             message.body,
-            service="broker",
+            self.admission,
             already_in_flight=request_id in self.requests,
             draining=self.port.draining,
             waiting=waiting,
-            max_queued=self.settings.max_queued,
-            max_request_bytes=self.settings.max_request_bytes,
+            client_waiting=0 if owner in self.trusted else mine,
             capacity=self._capacity,
         )
         if isinstance(admitted, Refusal):

@@ -1,27 +1,26 @@
-"""Client and AsyncClient: submit programs to a KCoral broker or router over ZeroMQ.
+"""AsyncClient: submit programs to a KCoral broker or router over ZeroMQ.
 
 Example::
 
     async with AsyncClient("tcp://127.0.0.1:5555") as client:
         result = await client.execute(program)
 
-``Client`` is the same with blocking calls; it drives an ``AsyncClient`` on a private event loop in
-a background thread, so both share one implementation.
+One connection (a DEALER socket) carries many requests, told apart by request id: a read loop hands
+each reply to the request that waits for it. What a reply becomes (a ProgramResult, a progress
+event, an error) is :mod:`kcoral.client.replies`; ``Client`` (:mod:`kcoral.client.blocking`) is the
+same with blocking calls, driving an AsyncClient, so both share one implementation.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import enum
 import os
-import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -29,13 +28,13 @@ import zmq.utils.monitor
 
 from kcoral import protocol
 from kcoral.client.program import Program
-from kcoral.client.progress import ProgressCallback, ProgressEvent, TerminalProgress
+from kcoral.client.progress import ProgressCallback, ProgressEvent, report
 from kcoral.client.reach import Unresolvable, check_resolves, silence_reason
-from kcoral.client.result import ProgramResult, ReturnedFile, ReturnedFolder
+from kcoral.client.replies import build_result, final_result, progress_event, result_map
+from kcoral.client.result import ProgramResult
 from kcoral.errors import KCoralError, ProtocolError, TransportError
 from kcoral.keys import ClientKeys
 
-T = TypeVar("T")
 URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
 HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -47,9 +46,9 @@ SEND_HIGH_WATER_MARK = 10_000
 # inside libzmq when close() runs; this long a linger lets it reach the wire (on loopback it takes
 # well under a millisecond; the bound only matters when the service is gone).
 CANCEL_LINGER_MS = 2000
-# How long Client waits, after Ctrl-C, for its cancelled call to send its CANCEL before re-raising.
+# How long a closing client waits for each CANCEL to be sent (and Client, after Ctrl-C, for its
+# cancelled call to send its CANCEL) before going on.
 INTERRUPT_WAIT_SECONDS = 2.0
-PROGRESS_TICK_SECONDS = 0.5  # how often a progress line on a terminal redraws its clock
 
 
 class ClientState(enum.Enum):
@@ -237,14 +236,14 @@ class AsyncClient:
                 command, reply, frames = await self._next_reply(request_id, queue, deadline)
                 if command == protocol.FINAL:
                     self._executing.discard(request_id)
-                    return self._final_result(request_id, reply, frames)
+                    return final_result(request_id, reply, frames)
                 state = reply.get("state")
                 if state == "need_blobs":
                     await self._send_blobs(request_id, reply.get("blobs"), blobs, on_progress)
                 elif state == "running" and deadline is None:
                     deadline = time.monotonic() + timeout + protocol.CLIENT_MARGIN_SECONDS
                 if on_progress is not None and state != "need_blobs":
-                    _report(on_progress, _progress_event(request_id, reply))
+                    report(on_progress, progress_event(request_id, reply))
         except asyncio.CancelledError:
             # Tell the service, so a program nobody waits for stops using a GPU.
             with contextlib.suppress(Exception):
@@ -278,12 +277,7 @@ class AsyncClient:
             await self._send(command, {"request_id": request_id})
             deadline = time.monotonic() + self.connect_timeout_seconds
             _, reply, _ = await self._next_reply(request_id, queue, deadline, watch_liveness=False)
-            if not reply.get("ok"):
-                raise _request_error(request_id, reply)
-            result = reply.get("result")
-            if not isinstance(result, dict):
-                raise ProtocolError("reply without a result map", request_id=request_id)
-            return result
+            return result_map(request_id, reply)
         finally:
             self._pending.pop(request_id, None)
 
@@ -311,7 +305,7 @@ class AsyncClient:
         frames = [blobs[d] for d in digests]
         size = sum(memoryview(f).nbytes for f in frames)
         if on_progress is not None and frames:
-            _report(on_progress, ProgressEvent("uploading", request_id, blobs=len(frames), bytes_total=size))
+            report(on_progress, ProgressEvent("uploading", request_id, blobs=len(frames), bytes_total=size))
         self.blob_bytes_sent += sum(len(f) for f in frames)
         self.blobs_sent += len(frames)
         await self._send(protocol.BLOBS, {"request_id": request_id, "blobs": digests}, *frames)
@@ -363,229 +357,5 @@ class AsyncClient:
             if queue is not None:
                 queue.put_nowait((command, body, frames))
 
-    def _final_result(self, request_id: str, reply: dict[str, Any], frames: list[Any]) -> ProgramResult:
-        if not reply.get("ok"):
-            raise _request_error(request_id, reply)
-        result = reply.get("result")
-        if not isinstance(result, dict):
-            raise ProtocolError("FINAL without a result map", request_id=request_id)
-        try:
-            return build_result(result, frames)
-        except (protocol.WireError, KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"unreadable result: {exc}", request_id=request_id) from exc
 
-
-def build_result(result: dict[str, Any], frames: list[Any]) -> ProgramResult:
-    """A ProgramResult from a FINAL reply's result map and its data frames."""
-
-    def frame(index: int) -> memoryview:
-        return memoryview(frames[index])
-
-    def convert(obj: Any) -> Any:
-        if isinstance(obj, protocol.TensorSpec):
-            if not isinstance(obj.source, int):
-                raise protocol.WireError("a returned tensor must name a frame")
-            return protocol.tensor_from_wire(obj, frame(obj.source), prefer_torch=False)
-        if isinstance(obj, protocol.BytesFrame):
-            return bytes(frame(obj.index))
-        if isinstance(obj, protocol.FileSpec):
-            return ReturnedFile(obj.name, bytes(frame(obj.frame)), obj.mode)
-        if isinstance(obj, protocol.FolderSpec):
-            return ReturnedFolder(
-                {rel: ReturnedFile(rel.rsplit("/", 1)[-1], bytes(frame(i)), mode) for rel, i, mode in obj.files}
-            )
-        raise protocol.WireError(f"unexpected {type(obj).__name__} in a result")
-
-    results = protocol.decode_value(result.get("results") or {}, convert)
-    return ProgramResult(
-        status=str(result["status"]),
-        results=dict(results),
-        error=result.get("error"),
-        stdout=str(result.get("stdout", "")),
-        stderr=str(result.get("stderr", "")),
-        stdout_truncated=bool(result.get("stdout_truncated", False)),
-        stderr_truncated=bool(result.get("stderr_truncated", False)),
-        request_id=str(result.get("request_id", "")),
-        queue_ms=float(result.get("queue_ms", 0.0)),
-        elapsed_ms=float(result.get("elapsed_ms", 0.0)),
-        lease_wait_ms=float(result.get("lease_wait_ms", 0.0)),
-        lease_held_ms=float(result.get("lease_held_ms", 0.0)),
-        gpu_ids=[int(g) for g in result.get("gpu_ids", [])],
-        worker=dict(result.get("worker") or {}),
-        node_id=str(result["node_id"]) if result.get("node_id") is not None else None,
-    )
-
-
-def _progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:
-    """A PARTIAL as a ProgressEvent; fields of the wrong type are left out (PARTIAL is informative)."""
-    state = str(reply.get("state"))
-    gpu_ids = reply.get("gpu_ids")
-    position = reply.get("position")
-    index = reply.get("instruction_index")
-    node = reply.get("node")
-    stream = reply.get("stream")
-    offset = reply.get("offset")
-    text = reply.get("text")
-    return ProgressEvent(
-        state,
-        request_id,
-        position=position if isinstance(position, int) else None,
-        gpu_ids=tuple(g for g in gpu_ids if isinstance(g, int)) if isinstance(gpu_ids, list) else (),
-        instruction_index=index if isinstance(index, int) else None,
-        node=node if isinstance(node, str) else None,
-        stream=stream if stream in ("stdout", "stderr") else "",
-        offset=offset if isinstance(offset, int) else -1,
-        text=text if isinstance(text, str) else "",
-    )
-
-
-def _report(on_progress: ProgressCallback, event: ProgressEvent) -> None:
-    # A display that fails must not fail the program it displays.
-    with contextlib.suppress(Exception):
-        on_progress(event)
-
-
-def _request_error(request_id: str, reply: dict[str, Any]) -> KCoralError:
-    error = reply.get("error")
-    if not isinstance(error, dict):
-        return ProtocolError("error reply without an error map", request_id=request_id)
-    return KCoralError(str(error.get("kind", "engine")), str(error.get("message", "")), request_id=request_id)
-
-
-class Client:
-    """A blocking client: ``with Client(url) as client: client.execute(program)``.
-
-    ``progress``: draw a status line on stderr while ``execute`` waits (uploading, queued, running),
-    wiped when it returns. ``None`` (the default): only when stderr is a terminal.
-    ``show_output``: write the program's stdout and stderr here as it runs (where the service streams
-    them); ``output_shown`` then counts the characters of each written during the last ``execute``,
-    so the rest can be written from the result (the command-line adapters do this)."""
-
-    def __init__(
-        self,
-        url: str | None = None,
-        *,
-        connect_timeout_seconds: float = 10.0,
-        progress: bool | None = None,
-        show_output: bool = False,
-        keys: ClientKeys | None = None,
-    ) -> None:
-        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds, keys=keys)
-        self.progress = progress
-        self.show_output = show_output
-        self.output_shown = {"stdout": 0, "stderr": 0}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return self._async.url
-
-    @property
-    def blob_bytes_sent(self) -> int:
-        return self._async.blob_bytes_sent
-
-    def __enter__(self) -> Client:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def open(self) -> None:
-        if self._loop is not None:
-            return
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="kcoral-client", daemon=True)
-        thread.start()
-        self._loop, self._thread = loop, thread
-        try:
-            self._call(self._async.open())
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """Close the connection; idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._async.aclose(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
-        self._loop = None
-
-    def execute(
-        self,
-        program: Program,
-        *,
-        timeout_seconds: float | None = None,
-        gpu_count: int | None = None,
-        output_limit_bytes: int | None = None,
-    ) -> ProgramResult:
-        """Run ``program`` and return its result. Raises KCoralError when it cannot run."""
-        show_status = bool(self.progress or (self.progress is None and _is_terminal(sys.stderr)))
-        display = None
-        if show_status or self.show_output:
-            display = TerminalProgress(
-                sys.stderr, out=sys.stdout, show_status=show_status, show_output=self.show_output
-            )
-        try:
-            return self._call(
-                self._async.execute(
-                    program,
-                    timeout_seconds=timeout_seconds,
-                    gpu_count=gpu_count,
-                    output_limit_bytes=output_limit_bytes,
-                    on_progress=display,
-                ),
-                tick=display.tick if display is not None and show_status else None,
-            )
-        finally:
-            if display is not None:
-                display.close()
-                self.output_shown = dict(display.shown)
-
-    def health(self) -> dict[str, Any]:
-        return self._call(self._async.health())
-
-    def target(self) -> dict[str, Any]:
-        return self._call(self._async.target())
-
-    def _call(self, coroutine: Coroutine[Any, Any, T], *, tick: Callable[[], None] | None = None) -> T:
-        if self._loop is None:
-            coroutine.close()
-            raise RuntimeError("the client is not open: use it as a context manager")
-        finished = threading.Event()
-
-        async def call() -> T:
-            try:
-                return await coroutine
-            finally:
-                finished.set()
-
-        future = asyncio.run_coroutine_threadsafe(call(), self._loop)
-        try:
-            while tick is not None and not future.done():
-                try:
-                    return future.result(PROGRESS_TICK_SECONDS)
-                except concurrent.futures.TimeoutError:
-                    if future.done():
-                        break  # the call itself raised TimeoutError: re-raised below
-                    tick()
-            return future.result()
-        except KeyboardInterrupt:
-            # Cancelling the call sends CANCEL for a program in flight; wait (briefly) until it
-            # has, so that a script that exits on Ctrl-C does not leave its program running.
-            future.cancel()
-            finished.wait(INTERRUPT_WAIT_SECONDS)
-            raise
-
-
-def _is_terminal(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
+__all__ = ["AsyncClient", "ClientState", "build_result", "check_execute_options", "map_zmq_errors", "resolve_url"]

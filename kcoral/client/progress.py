@@ -9,6 +9,7 @@ when the service tells it), ``running`` (on which GPUs, and which instruction wh
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,12 @@ class ProgressEvent:
 
 
 ProgressCallback = Callable[[ProgressEvent], None]
+
+
+def report(on_progress: ProgressCallback, event: ProgressEvent) -> None:
+    """Call ``on_progress``; a display that fails must not fail the program it displays."""
+    with contextlib.suppress(Exception):
+        on_progress(event)
 
 
 class TerminalProgress:
@@ -142,4 +149,4 @@ def _s(count: int) -> str:
     return "" if count == 1 else "s"
 
 
-__all__ = ["ProgressCallback", "ProgressEvent", "TerminalProgress"]
+__all__ = ["ProgressCallback", "ProgressEvent", "TerminalProgress", "report"]

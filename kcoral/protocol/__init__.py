@@ -72,6 +72,7 @@ from kcoral.protocol.frames import (
     check_digest,
     check_header,
     check_id,
+    command_names,
     sha256_hex,
 )
 from kcoral.protocol.node_link import (
@@ -217,6 +218,7 @@ __all__ = [
     "check_instructions",
     "check_regular_file",
     "check_relative_path",
+    "command_names",
     "decode_value",
     "encode_value",
     "error_body",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 # --- framing ----------------------------------------------------------------------------------
@@ -37,16 +37,17 @@ HEARTBEAT: Final = b"\x12"  # body: {} (to clients with requests waiting, every 
 
 CLIENT_COMMANDS: Final = frozenset({EXECUTE, BLOBS, CANCEL, HEALTH, TARGET})
 
-CLIENT_COMMAND_NAMES: Final = {
-    EXECUTE: "EXECUTE",
-    BLOBS: "BLOBS",
-    CANCEL: "CANCEL",
-    HEALTH: "HEALTH",
-    TARGET: "TARGET",
-    PARTIAL: "PARTIAL",
-    FINAL: "FINAL",
-    HEARTBEAT: "HEARTBEAT",
-}
+
+def command_names(scope: Mapping[str, Any], *names: str) -> dict[bytes, str]:
+    """Each named command's bytes -> its name (for logs and errors), from the constants of that name
+    in ``scope`` (the defining module's ``globals()``): each name is written once, and a name
+    without its constant fails at import."""
+    return {scope[name]: name for name in names}
+
+
+CLIENT_COMMAND_NAMES: Final = command_names(
+    globals(), "EXECUTE", "BLOBS", "CANCEL", "HEALTH", "TARGET", "PARTIAL", "FINAL", "HEARTBEAT"
+)
 
 # --- timing -----------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from kcoral.protocol.frames import command_names
+
 # node -> router, repeated every interval until answered: node_id, instance_id, hostname,
 # gpu_count, fake_gpus, status, load, target, versions (the fields of the broker's health)
 NODE_REGISTER: Final = b"\x30"
@@ -21,9 +23,6 @@ NODE_HEARTBEAT: Final = b"\x32"
 NODE_DISCONNECT: Final = b"\x33"  # router -> node: "unknown node, register again"; node -> router: leaving
 
 NODE_COMMANDS: Final = frozenset({NODE_REGISTER, NODE_REGISTERED, NODE_HEARTBEAT, NODE_DISCONNECT})
-NODE_COMMAND_NAMES: Final = {
-    NODE_REGISTER: "NODE_REGISTER",
-    NODE_REGISTERED: "NODE_REGISTERED",
-    NODE_HEARTBEAT: "NODE_HEARTBEAT",
-    NODE_DISCONNECT: "NODE_DISCONNECT",
-}
+NODE_COMMAND_NAMES: Final = command_names(
+    globals(), "NODE_REGISTER", "NODE_REGISTERED", "NODE_HEARTBEAT", "NODE_DISCONNECT"
+)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from kcoral.protocol.frames import command_names
+
 # worker <-> broker (ipc://, inside one host)
 READY: Final = b"\x20"  # worker -> broker: body: slot, pid, gpu
 PROGRAM: Final = b"\x21"  # broker -> worker: the program to run, with its blob frames
@@ -21,13 +23,6 @@ DISCONNECT: Final = b"\x27"  # broker -> worker: exit now
 
 WORKER_COMMANDS: Final = frozenset({READY, LEASE, RELEASE, PROGRESS, RESULT})
 
-WORKER_COMMAND_NAMES: Final = {
-    READY: "READY",
-    PROGRAM: "PROGRAM",
-    LEASE: "LEASE",
-    GRANT: "GRANT",
-    RELEASE: "RELEASE",
-    PROGRESS: "PROGRESS",
-    RESULT: "RESULT",
-    DISCONNECT: "DISCONNECT",
-}
+WORKER_COMMAND_NAMES: Final = command_names(
+    globals(), "READY", "PROGRAM", "LEASE", "GRANT", "RELEASE", "PROGRESS", "RESULT", "DISCONNECT"
+)

@@ -44,8 +44,7 @@ import random
 import socket as stdlib_socket
 import time
 import uuid
-from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 import structlog
 import zmq
@@ -56,25 +55,22 @@ from kcoral.broker.requests import RequestQueue
 from kcoral.broker.settings import client_queue_limit
 from kcoral.broker.target import versions
 from kcoral.metrics import ServiceMetrics, programs_in_flight
+from kcoral.router.node_messages import NodeMessages
 from kcoral.router.nodes import (
     Node,
     RouterRequest,
     choose_node,
     merged_target,
-    parse_load_report,
-    parse_quiet_seconds,
-    parse_registration,
 )
 from kcoral.router.settings import NODE_WAIT_SECONDS, RouterSettings
 from kcoral.service import auth
-from kcoral.service.admission import Refusal, admit_execute, refuse_gpu_count
+from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, refuse_gpu_count
 from kcoral.service.fairness import OrphanWatch
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
-from kcoral.service.sockets import receive_forever, router_socket, send_now
+from kcoral.service.sockets import receive_forever, router_socket
 
 log = structlog.get_logger("kcoral.router")
 
-MAX_REMEMBERED_LOST_NODES = 256
 # The liveness of nodes is checked this many times per heartbeat interval, so that a dead node is
 # noticed soon after its HEARTBEAT_LIVENESS intervals are up, not up to an interval later.
 CHECKS_PER_INTERVAL = 4
@@ -82,7 +78,12 @@ GOODBYE_LINGER_MS = 200
 
 
 class Router:
-    """Queues clients' programs and dispatches them to registered host brokers."""
+    """Queues clients' programs and dispatches them to registered host brokers.
+
+    It holds a :class:`~kcoral.service.shell.ServiceShell` (the client side, as the broker does) and
+    :class:`~kcoral.router.node_messages.NodeMessages` (the node table and what the nodes say), and
+    runs the rest itself: admission, the queue, dispatch to a node, timeouts, the FINAL, health.
+    """
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
@@ -90,9 +91,11 @@ class Router:
         self.started_at = time.time()
         self.metrics = ServiceMetrics("router", self.health)
         self.shell: ServiceShell[RouterRequest] = ServiceShell(
-            "router", ShellSettings.of(settings), fail_request=self._finish_error, metrics=self.metrics
+            "router", ShellSettings.of(settings), fail_request=self.fail, metrics=self.metrics
         )
         self.orphans = OrphanWatch(settings.orphan_grace_seconds)
+        per_client = client_queue_limit(settings.max_queued, settings.max_queued_per_client)
+        self.admission = AdmissionPolicy("router", settings.max_queued, per_client, settings.max_request_bytes)
         self.shell.handlers.update(
             {
                 protocol.EXECUTE: self._on_execute,
@@ -105,10 +108,11 @@ class Router:
         self.requests = self.shell.requests
         self.backend = router_socket(self.shell.context)
         self.queue: RequestQueue[RouterRequest] = RequestQueue()
-        self.nodes: dict[bytes, Node] = {}  # live nodes by link identity
-        self.lost_nodes: OrderedDict[str, Node] = OrderedDict()  # by node id, for health
-        self.pool_empty_since: float | None = time.monotonic()
-        self.counters = {"finished": 0, "node_lost": 0}
+        self.node_messages = NodeMessages(
+            settings, backend=self.backend, router_instance_id=self.instance_id, port=self
+        )
+        self.nodes = self.node_messages.nodes  # the node side's table of live nodes, by link identity
+        self.finished = 0
         self.random = random.Random()
         # What does not change while the router runs, found once: HEALTH may be polled often.
         self.hostname = stdlib_socket.gethostname()
@@ -134,7 +138,8 @@ class Router:
             # a node and be sent other people's programs.
             self.settings.security.apply(self.backend, auth.NODES_DOMAIN)
         self.backend.bind(self.settings.nodes_listen)
-        self.shell.spawn(receive_forever(self.backend, self._handle_node, "node_message_failed"), name="nodes")
+        nodes = receive_forever(self.backend, self.node_messages.on_message, "node_message_failed")
+        self.shell.spawn(nodes, name="nodes")
         self.shell.spawn(self._tick_loop(), name="ticks")
         log.info(
             "router_listening",
@@ -146,33 +151,26 @@ class Router:
     async def _release(self) -> None:
         # Nodes register again at once with whichever router comes next, instead of waiting for
         # HEARTBEAT_LIVENESS intervals of silence.
+        goodbye = protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"})
         for node in list(self.nodes.values()):
-            self._send_node(node.identity, protocol.message(protocol.NODE_DISCONNECT, {"reason": "router stopping"}))
+            self.node_messages.send(node.identity, goodbye)
         self.backend.close(linger=GOODBYE_LINGER_MS)
 
     def _counters(self) -> dict[str, Any]:
-        return {**self.metrics.counters(), **self.counters, "refused": self.shell.refused}
+        lost = self.node_messages.programs_lost
+        return {**self.metrics.counters(), "finished": self.finished, "node_lost": lost, "refused": self.shell.refused}
 
     # --- clients ---
 
     def _on_execute(self, message: ClientMessage) -> None:
         client, request_id, owner = message.client, message.request_id, message.owner or message.client
-        mine, limit = (
-            self.queue.queued_by(owner),
-            client_queue_limit(self.settings.max_queued, self.settings.max_queued_per_client),
-        )
-        if mine >= limit and request_id not in self.requests:
-            text = f"this client has {mine} programs waiting; one client may have at most {limit}"
-            self.shell.refuse(client, request_id, "busy", text)
-            return
         admitted = admit_execute(
             message.body,
-            service="router",
+            self.admission,
             already_in_flight=request_id in self.requests,
             draining=self.shell.draining,
             waiting=len(self.queue),
-            max_queued=self.settings.max_queued,
-            max_request_bytes=self.settings.max_request_bytes,
+            client_waiting=self.queue.queued_by(owner),
             capacity=lambda options: self._unservable(options.gpu_count or 0, queued_for=None),
         )
         if isinstance(admitted, Refusal):
@@ -183,13 +181,13 @@ class Router:
         self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
-        self._dispatch()
+        self.dispatch()
 
     def _unservable(self, gpu_count: int, queued_for: float | None) -> Refusal | None:
         """(kind, message) when a program needing ``gpu_count`` GPUs should be refused now;
         ``queued_for`` is how long it has waited in the queue, None for one just arrived."""
         if not self.nodes:
-            empty_for = time.monotonic() - (self.pool_empty_since or time.monotonic())
+            empty_for = time.monotonic() - (self.node_messages.pool_empty_since or time.monotonic())
             if empty_for >= self.settings.node_wait_seconds:
                 return Refusal("busy", f"no host broker has been registered with this router for {empty_for:.0f} s")
             return None
@@ -206,8 +204,8 @@ class Router:
             self.shell.refuse(message.client, message.request_id, "parse", text)
             return
         node = request.node
-        if not self._send_node(node.identity, message.frames):
-            self._finish_error(request, "node_lost", f"node {node.node_id} cannot be reached")
+        if not self.node_messages.send(node.identity, message.frames):
+            self.fail(request, "node_lost", f"node {node.node_id} cannot be reached")
             return
         sent = message.body.get("blobs")
         if isinstance(sent, list):
@@ -220,131 +218,14 @@ class Router:
         log.info("request_cancelled", request_id=request.id, node=request.node.node_id if request.node else None)
         node = request.node
         cancel = protocol.message(protocol.CANCEL, {"request_id": request.id})
-        if node is None or not self._send_node(node.identity, cancel):
+        if node is None or not self.node_messages.send(node.identity, cancel):
             # Still here, or its node cannot be told (the node cancels what it holds when it finds
             # its link gone): the program is cancelled for the client either way.
-            self._finish_error(request, "cancelled", "the client cancelled the program")
-
-    # --- nodes ---
-
-    def _handle_node(self, frames: list[zmq.Frame]) -> None:
-        identity = bytes(frames[0].buffer)
-        message = frames[1:]
-        node = self.nodes.get(identity)
-        try:
-            command = protocol.check_header(message)
-            if command == protocol.NODE_REGISTER:
-                self._on_register(identity, protocol.unpack_map(message[2].buffer))
-                return
-            if node is None:
-                # Unknown (the router restarted, or took the node for lost): it must register.
-                if command != protocol.NODE_DISCONNECT:
-                    body = {"reason": "unknown node; register again"}
-                    self._send_node(identity, protocol.message(protocol.NODE_DISCONNECT, body))
-                return
-            node.last_heard = time.monotonic()
-            node.reachable = True
-            if command == protocol.NODE_HEARTBEAT:
-                self._on_node_heartbeat(node, protocol.unpack_map(message[2].buffer))
-            elif command == protocol.PARTIAL:
-                self._on_partial(node, protocol.unpack_map(message[2].buffer), message)
-            elif command == protocol.FINAL:
-                self._on_node_final(node, protocol.peek_request_id(message[2].buffer), message)
-            elif command == protocol.NODE_DISCONNECT:
-                self._lose_node(node, "left the pool")
-            else:
-                raise protocol.WireError(f"unexpected command {command.hex()} from a node")
-        except protocol.WireError as exc:
-            node_id = node.node_id if node is not None else identity.decode(errors="replace")
-            log.warning("bad_node_message", node=node_id, error=str(exc))
-
-    def _on_register(self, identity: bytes, body: dict[str, Any]) -> None:
-        try:
-            registered = parse_registration(identity, body)
-        except protocol.WireError as exc:
-            log.warning("bad_registration", link=identity.decode(errors="replace"), error=str(exc))
-            body = {"reason": f"registration refused: {exc}"}
-            self._send_node(identity, protocol.message(protocol.NODE_DISCONNECT, body))
-            return
-        node = self.nodes.get(identity)
-        if node is None:
-            for other in [n for n in self.nodes.values() if n.node_id == registered.node_id]:
-                # The same node on a new link: it restarted, or dropped its old link; what the old
-                # link carried is lost on the node's side (or a second node uses the same id).
-                self._lose_node(other, "registered again on a new link")
-            self.nodes[identity] = node = registered
-            self.lost_nodes.pop(node.node_id, None)
-            self.pool_empty_since = None
-            log.info(
-                "node_registered",
-                node=node.node_id,
-                hostname=node.hostname,
-                gpus=node.gpu_count,
-                slots=node.capacity,
-                arch=node.target.get("arch"),
-                version=node.versions.get("kcoral"),
-            )
-        else:
-            node.status, node.load = registered.status, registered.load
-            node.last_heard, node.reachable = time.monotonic(), True
-        self._send_node(identity, protocol.message(protocol.NODE_REGISTERED, {"instance_id": self.instance_id}))
-        self._dispatch()
-
-    def _on_node_heartbeat(self, node: Node, body: dict[str, Any]) -> None:
-        node.status, node.load = parse_load_report(body)
-        quiet = parse_quiet_seconds(body.get("quiet_seconds"))
-        if quiet is not None:
-            node.quiet_until = time.monotonic() + quiet
-            log.info("node_quiet", node=node.node_id, seconds=round(quiet, 1))
-        self._dispatch()
-
-    def _on_partial(self, node: Node, body: dict[str, Any], message: list[Any]) -> None:
-        request_id = protocol.check_id(body.get("request_id"), "request_id")
-        request = node.requests.get(request_id)
-        if request is None:
-            return  # the answer to a request already failed (node_lost) or cancelled here
-        state = body.get("state")
-        if state == "queued":
-            # The node's broker holds every blob of the program now.
-            node.remember_blobs(request.digests, self.settings.node_blob_memory)
-        if state in ("queued", "running"):
-            request.state = state
-            gpu_ids = body.get("gpu_ids")
-            if isinstance(gpu_ids, list):
-                request.gpu_ids = tuple(g for g in gpu_ids if isinstance(g, int))
-        self.shell.send(request.client, message, request_id)
-
-    def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
-        request = node.requests.get(request_id)
-        if request is None:
-            log.debug("late_final", request_id=request_id, node=node.node_id)
-            return
-        self._finish(request, message)
-        self._dispatch()
-
-    def _lose_node(self, node: Node, reason: str) -> None:
-        self.nodes.pop(node.identity, None)
-        node.state = "lost"
-        node.lost_reason = reason
-        lost = list(node.requests.values())
-        log.warning("node_lost", node=node.node_id, reason=reason, requests=len(lost))
-        for request in lost:
-            self.counters["node_lost"] += 1
-            self._finish_error(
-                request,
-                "node_lost",
-                f"node {node.node_id} {reason} while it had the program; it is not run again",
-            )
-        self.lost_nodes[node.node_id] = node
-        self.lost_nodes.move_to_end(node.node_id)
-        while len(self.lost_nodes) > MAX_REMEMBERED_LOST_NODES:
-            self.lost_nodes.popitem(last=False)
-        if not self.nodes:
-            self.pool_empty_since = time.monotonic()
+            self.fail(request, "cancelled", "the client cancelled the program")
 
     # --- dispatch ---
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
         ready = [n for n in self.nodes.values() if n.dispatchable]
         if not ready or not self.queue:
             return
@@ -363,7 +244,7 @@ class Router:
 
     def _start(self, request: RouterRequest, node: Node) -> bool:
         assert request.frames is not None
-        if not self._send_node(node.identity, request.frames):
+        if not self.node_messages.send(node.identity, request.frames):
             node.reachable = False  # not chosen again until it is heard from
             return False
         request.node = node
@@ -382,7 +263,7 @@ class Router:
 
     # --- replies ---
 
-    def _finish(self, request: RouterRequest, message: list[Any]) -> None:
+    def finish(self, request: RouterRequest, message: list[Any]) -> None:
         """Send a request's FINAL and forget it."""
         if self.requests.pop(request.id) is None:
             return
@@ -390,7 +271,7 @@ class Router:
             request.node.requests.pop(request.id, None)
         else:
             self.queue.remove(request)
-        self.counters["finished"] += 1
+        self.finished += 1
         self._count_finished(request, message)
         self.shell.send(request.client, message, request.id)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
@@ -403,17 +284,13 @@ class Router:
             final = protocol.final_error_body(request.id, "engine", "the node's FINAL could not be read")
         self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
 
-    def _finish_error(self, request: RouterRequest, kind: str, text: str) -> None:
+    def fail(self, request: RouterRequest, kind: str, text: str) -> None:
+        """End a request with an error (FINAL), and forget it."""
         log.info("request_failed", request_id=request.id, kind=kind, reason=text)
-        self._finish(request, protocol.final_error(request.id, kind, text))
+        self.finish(request, protocol.final_error(request.id, kind, text))
 
-    def _send_node(self, identity: bytes, message: list[Any]) -> bool:
-        try:
-            send_now(self.backend, [identity, *message])
-        except zmq.ZMQError as exc:
-            log.info("node_unreachable", link=identity.decode(errors="replace"), error=str(exc))
-            return False
-        return True
+    def relay(self, client: bytes, message: list[Any], request_id: str) -> None:
+        self.shell.send(client, message, request_id)
 
     # --- time ---
 
@@ -423,32 +300,26 @@ class Router:
         while True:
             await asyncio.sleep(interval / CHECKS_PER_INTERVAL)
             now = time.monotonic()
-            self._expire_nodes(now)
+            self.node_messages.expire(now)
             if now >= next_heartbeat:
                 next_heartbeat = now + interval
                 self._heartbeat()
                 self._expire_queued(now)
-                self._dispatch()
-
-    def _expire_nodes(self, now: float) -> None:
-        if cast(int, self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            return  # messages are waiting to be read (this loop was busy): they may be heartbeats
-        liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
-        for node in [n for n in self.nodes.values() if now - n.last_heard > liveness and now > n.quiet_until]:
-            self._lose_node(node, f"stopped answering ({now - node.last_heard:.1f} s without a message)")
+                self.dispatch()
 
     def _heartbeat(self) -> None:
         beat = protocol.message(protocol.NODE_HEARTBEAT, {})
         for node in self.nodes.values():
-            self._send_node(node.identity, beat)
+            self.node_messages.send(node.identity, beat)
         self.orphans.gone(self.shell.heartbeat_clients())
         # Programs whose client's connection is gone: waiting ones end at once, those on a node
         # once the grace is over, cancelled there too (kcoral.service.fairness).
         for request, running in self.orphans.to_cancel(self.requests, lambda r: r.node is not None):
             log.warning("client_gone_cancelling", request_id=request.id, running=running)
             if request.node is not None:
-                self._send_node(request.node.identity, protocol.message(protocol.CANCEL, {"request_id": request.id}))
-            self._finish_error(request, "cancelled", "the client disconnected")
+                cancel = protocol.message(protocol.CANCEL, {"request_id": request.id})
+                self.node_messages.send(request.node.identity, cancel)
+            self.fail(request, "cancelled", "the client disconnected")
 
     def _expire_queued(self, now: float) -> None:
         """A queued program never waits for ever: see the module docstring for the rules."""
@@ -456,11 +327,11 @@ class Router:
         for request in [r for r in self.requests if r.node is None]:
             waited = now - request.received_at
             if waited > limit:
-                self._finish_error(request, "timeout", f"the program waited {limit:g} s without a free node")
+                self.fail(request, "timeout", f"the program waited {limit:g} s without a free node")
                 continue
             refusal = self._unservable(request.gpu_count, queued_for=waited)
             if refusal is not None:
-                self._finish_error(request, *refusal)
+                self.fail(request, *refusal)
 
     # --- status ---
 
@@ -480,6 +351,7 @@ class Router:
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
         live = list(self.nodes.values())
+        lost = list(self.node_messages.lost_nodes.values())
         queued = len(self.queue)
         return {
             "status": "draining" if self.shell.draining else "ok",
@@ -500,7 +372,7 @@ class Router:
             **programs_in_flight(self._program_rows(now)),
             "target": self.target(),
             "versions": self.versions,
-            "nodes": [n.describe(now) for n in live] + [n.describe(now) for n in self.lost_nodes.values()],
+            "nodes": [n.describe(now) for n in live + lost],
         }
 
     def target(self) -> dict[str, Any]:

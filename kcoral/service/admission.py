@@ -2,7 +2,7 @@
 
 Each check returns None when the program may go on, or the :class:`Refusal` to answer it with (a
 request error kind of docs/protocol.md, section 9, and a message). :func:`admit_execute` runs those
-that both services make on an EXECUTE, in their order.
+that both services make on an EXECUTE, in their order, under the service's :class:`AdmissionPolicy`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,16 @@ class Refusal(NamedTuple):
 
 
 @dataclass(frozen=True)
+class AdmissionPolicy:
+    """Which service refuses (named in the messages) and the bounds it holds an EXECUTE to."""
+
+    service: str  # "broker" or "router"
+    max_queued: int  # programs waiting, all clients together
+    max_queued_per_client: int  # programs waiting of one client (owner)
+    max_request_bytes: int  # the declared bytes of one program's uploads
+
+
+@dataclass(frozen=True)
 class Admitted:
     """An EXECUTE that passed the shared checks: what the service needs of its body."""
 
@@ -30,19 +40,25 @@ class Admitted:
 
 def admit_execute(
     body: dict[str, Any],
+    policy: AdmissionPolicy,
     *,
-    service: str,
     already_in_flight: bool,
     draining: bool,
     waiting: int,
-    max_queued: int,
-    max_request_bytes: int,
+    client_waiting: int,
     capacity: Callable[[protocol.ExecuteOptions], Refusal | None],
 ) -> Admitted | Refusal:
-    """The checks of an EXECUTE that the broker and the router share, cheapest first; ``capacity``
-    is the service's own check of the GPUs the program asks for."""
+    """The checks of an EXECUTE that the broker and the router share, cheapest first: ``waiting``
+    programs in all and ``client_waiting`` of this one's client; ``capacity`` is the service's own
+    check of the GPUs the program asks for."""
     refusal = refuse_new_request(
-        service=service, already_in_flight=already_in_flight, draining=draining, waiting=waiting, max_queued=max_queued
+        service=policy.service,
+        already_in_flight=already_in_flight,
+        draining=draining,
+        waiting=waiting,
+        max_queued=policy.max_queued,
+        client_waiting=client_waiting,
+        max_queued_per_client=policy.max_queued_per_client,
     )
     if refusal is not None:
         return refusal
@@ -52,18 +68,29 @@ def admit_execute(
     except protocol.WireError as exc:
         return Refusal("parse", str(exc))
     return (
-        refuse_size(declared, max_request_bytes, service=service)
+        refuse_size(declared, policy.max_request_bytes, service=policy.service)
         or capacity(options)
         or Admitted(program, options, digests)
     )
 
 
 def refuse_new_request(
-    *, service: str, already_in_flight: bool, draining: bool, waiting: int, max_queued: int
+    *,
+    service: str,
+    already_in_flight: bool,
+    draining: bool,
+    waiting: int,
+    max_queued: int,
+    client_waiting: int = 0,
+    max_queued_per_client: int | None = None,
 ) -> Refusal | None:
-    """The checks made before an EXECUTE's body is even looked at."""
+    """The checks made before an EXECUTE's body is even looked at; ``max_queued_per_client`` None:
+    no bound on one client's share."""
     if already_in_flight:
         return Refusal("parse", "a request with this id is already in flight")
+    if max_queued_per_client is not None and client_waiting >= max_queued_per_client:
+        text = f"this client has {client_waiting} programs waiting; one client may have at most {max_queued_per_client}"
+        return Refusal("busy", text)
     if draining:
         return Refusal("busy", f"the {service} is shutting down")
     if waiting >= max_queued:
@@ -123,6 +150,7 @@ def declared_sizes(program: dict[str, Any]) -> dict[str, int]:
 
 
 __all__ = [
+    "AdmissionPolicy",
     "Admitted",
     "Refusal",
     "admit_execute",

@@ -321,7 +321,7 @@ def build_program(options: AdapterOptions, function: str, args: list[Any]) -> Pr
 def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[int, dict[str, Any] | None]:
     """Run the adapter program and show its output. Returns (exit status, outcome); the outcome is
     None when there is none (the status then says why)."""
-    from kcoral.client.client import Client
+    from kcoral.client.blocking import Client
 
     if not options.url:
         return usage_error(options.tool, "no service: give --remote URL or set KCORAL_URL"), None

@@ -41,7 +41,7 @@ import resource
 import signal
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import psutil
@@ -340,16 +340,23 @@ class TreeUsage:
     resident_bytes: int  # every resident page of each process, shared ones counted again each time
 
 
+def _proc_files(pids: Iterable[int], name: str) -> Iterator[bytes]:
+    """The contents of ``/proc/PID/name`` for each of ``pids`` that can still be read."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as handle:
+                data = handle.read()
+        except OSError:
+            continue  # gone meanwhile
+        yield data
+
+
 def tree_usage(pids: Iterable[int]) -> TreeUsage:
     """How many of ``pids`` are alive and their resident memory: cheap (one small read each)."""
     count = 0
     pages = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as handle:
-                fields = handle.read().split()
-        except OSError:
-            continue
+    for statm in _proc_files(pids, "statm"):
+        fields = statm.split()
         if len(fields) < 2 or fields[0] == b"0":
             continue  # a zombie (or a kernel thread) has no memory and counts for nothing
         count += 1
@@ -366,13 +373,8 @@ def private_memory(pids: Iterable[int]) -> int:
     the cheap sum is already over the limit.
     """
     total_kib = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup", "rb") as handle:
-                lines = handle.read().splitlines()
-        except OSError:
-            continue
-        for line in lines:
+    for rollup in _proc_files(pids, "smaps_rollup"):
+        for line in rollup.splitlines():
             if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")):
                 total_kib += int(line.split()[1])
     return total_kib * 1024

@@ -1,0 +1,263 @@
+"""What the workers say and what their zygotes report, and how each moves a program on.
+
+:class:`WorkerMessages` reads the workers' socket for the broker (READY, LEASE, PROGRESS, RESULT)
+and takes the supervisor's reports of the zygotes (a worker forked, a worker exited): it admits
+workers to the pool, grants GPU leases and holds them until the worker's exit, passes output on
+to the client, and ends programs from their results, crashes and unreadable answers. It is built
+with what it uses (settings, the workers' socket, the pool, the requests in flight, the lease
+table, the supervisor) and talks back to the broker through a small port, :class:`WorkerPort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from kcoral import protocol
+from kcoral.broker import slots
+from kcoral.broker.leases import LeaseReclaimed, LeaseTable
+from kcoral.broker.requests import Request, Worker
+from kcoral.broker.settings import BrokerSettings
+from kcoral.broker.supervisor import Supervisor, WorkerExit
+from kcoral.broker.workers import WorkerPool, result_grace_seconds
+from kcoral.service.fairness import RateLimit
+from kcoral.service.shell import InFlightTable
+from kcoral.service.sockets import send_now
+
+log = structlog.get_logger("kcoral.broker")
+
+# PROGRESS per worker: the last instruction index is all the broker keeps, so updates beyond this
+# rate are dropped before they are decoded; a program that floods them costs the loop little.
+PROGRESS_PER_SECOND = 50.0
+PROGRESS_BURST = 100.0
+
+
+class WorkerPort(Protocol):
+    """What the worker side asks of the broker that holds it."""
+
+    @property
+    def node_id(self) -> str | None:
+        """This broker's node id in results, where it serves a router."""
+
+    def finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
+        """Answer a request with this FINAL body and its frames, once, and forget it."""
+
+    def fail(self, request: Request, kind: str, message: str) -> None:
+        """End a request with an error (FINAL), killing its worker if it runs, and forget it."""
+
+    def dispatch(self) -> None:
+        """Give queued programs to idle workers."""
+
+    def tell(self, request: Request, body: dict[str, Any]) -> None:
+        """Send the request's client a PARTIAL."""
+
+
+@dataclass(eq=False)
+class WorkerMessages:
+    """The broker's side of its workers' messages and of its zygotes' reports."""
+
+    settings: BrokerSettings
+    backend: zmq.asyncio.Socket
+    pool: WorkerPool
+    requests: InFlightTable[Request]
+    leases: LeaseTable
+    supervisor: Supervisor
+    port: WorkerPort
+    held_leases: dict[bytes, str] = field(default_factory=dict)  # worker identity -> the request whose lease it holds
+    progress_limit: RateLimit[bytes] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
+    ready_announced: bool = False
+
+    def holds_lease(self, worker: Worker | None, request_id: str) -> bool:
+        """Whether ``worker`` holds ``request_id``'s lease: it then goes back at the worker's exit."""
+        return worker is not None and self.held_leases.get(worker.identity) == request_id
+
+    def on_message(self, frames: list[zmq.Frame]) -> None:
+        identity = bytes(frames[0].buffer)
+        if len(frames) > 2 and frames[2].bytes == protocol.PROGRESS and not self.progress_limit.allow(identity):
+            return  # dropped before it is decoded: see PROGRESS_PER_SECOND
+        try:
+            oversized = slots.oversized_result([f.buffer for f in frames[1:]])
+            command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
+        except protocol.WireError as exc:
+            log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
+            self._fail_unreadable_result(identity, oversized, exc)
+            return
+        if oversized is not None:
+            self._fail_unreadable_result(identity, oversized, None)
+            return
+        if command == protocol.READY:
+            self._on_ready(identity, body)
+            return
+        worker = self.pool.workers.get(identity)
+        if worker is None:
+            return
+        request = self.requests.get(worker.request_id or "")
+        if request is None or body.get("request_id") != request.id:
+            return
+        if command == protocol.LEASE:
+            if request.lease_task is None or request.lease_task.done():
+                request.lease_task = asyncio.create_task(self._grant_lease(request, worker))
+        elif command == protocol.PROGRESS:
+            self._on_progress(request, body)
+        elif command == protocol.RESULT:
+            self._on_result(request, worker, body, data)
+
+    def _on_progress(self, request: Request, body: dict[str, Any]) -> None:
+        """The instruction now running, or a piece of the program's output, which goes on to the
+        client as PARTIAL ``output`` (a client shows it live; the result repeats all of it)."""
+        index, stream, offset, text = body.get("index"), body.get("stream"), body.get("offset"), body.get("text")
+        if isinstance(index, int):
+            request.instruction_index = index
+        elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
+            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
+                piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
+                self.port.tell(request, piece)
+
+    def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
+        if self.pool.ready(identity, body) is not None:
+            self._worker_joined()
+
+    def on_forked(self, slot: int, worker: str) -> None:
+        if self.pool.forked(slot, worker) is not None:
+            self._worker_joined()
+
+    def _worker_joined(self) -> None:
+        if not self.ready_announced and len(self.pool.idle) >= len(self.supervisor.slots):
+            # The line an operator (or a script) waits for: every slot has a worker, programs run now.
+            self.ready_announced = True
+            log.info(
+                "broker_ready", endpoint=self.settings.listen, slots=len(self.pool.idle), gpus=list(self.leases.gpus)
+            )
+        self.port.dispatch()
+
+    async def _grant_lease(self, request: Request, worker: Worker) -> None:
+        try:
+            grant = await self.leases.acquire(request.id, request.gpu_ids)
+        except (LeaseReclaimed, asyncio.CancelledError):
+            return
+        if self.requests.get(request.id) is not request or request.state != "running" or worker.exited:
+            self.leases.release(request.id)
+            return
+        # Held until the zygote reports this worker's exit (see on_exit), whatever the
+        # worker says: until then its program could still run work on the GPU.
+        self.held_leases[worker.identity] = request.id
+        request.lease_times = (grant.requested_at, grant.granted_at)
+        try:
+            send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+        except zmq.ZMQError:
+            self.leases.release(request.id)
+
+    def _on_result(self, request: Request, worker: Worker, body: dict[str, Any], data: list[Any]) -> None:
+        worker.request_id = None
+        if worker.exited:
+            self.pool.forget(worker)
+        raw_info = body.get("worker")
+        info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
+        reusable = slots.reusable(worker, self.settings.max_programs_per_worker)
+        if info.get("reusable") and reusable and worker.identity in self.pool.workers:
+            holder = self.held_leases.pop(worker.identity, None)
+            if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
+                self.leases.release(holder)
+            view = info.get("gpu_view")
+            if isinstance(view, list) and all(isinstance(g, int) and g in self.leases.gpus for g in view):
+                worker.gpu_view = tuple(sorted(view))
+            self.pool.idle[worker.identity] = worker
+        else:
+            if info.get("retire_reason"):
+                log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+            if not worker.exited:
+                self.supervisor.prepare_next_worker(worker.slot)
+        response_bytes = sum(len(f) for f in data)
+        error = body.get("error")
+        # The worker stops at the limit (error kind response_too_large) instead of sending it all.
+        stopped = isinstance(error, dict) and error.get("kind") == "response_too_large"
+        if stopped or response_bytes > self.settings.max_response_bytes:
+            self.port.fail(
+                request,
+                "response_too_large",
+                f"the results are over {self.settings.max_response_bytes} bytes, the most this broker returns",
+            )
+            self.port.dispatch()
+            return
+        queue_ms = (request.started_at - request.queued_at) * 1000
+        result = protocol.with_broker_fields(
+            body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self.port.node_id
+        )
+        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
+        self.port.finish(request, protocol.final_body(request.id, result), data)
+        self.port.dispatch()
+
+    def on_gpu_free(self, worker: str) -> None:
+        """The zygote killed a finished worker that had no GPU device open or mapped (nor had
+        anything it started): it can run no more work on the GPU, whose lease goes back now."""
+        holder = self.held_leases.pop(worker.encode(), None)
+        if holder is not None:
+            self.leases.reclaim(holder)
+
+    def on_exit(self, exit: WorkerExit) -> None:
+        holder = self.held_leases.pop(exit.worker.encode(), None)
+        if holder is not None:
+            # The worker and all it started are gone (the zygote says so only then): the GPU is free.
+            self.leases.reclaim(holder)
+        worker = self.pool.exit(exit)
+        if worker is None or worker.request_id is None:
+            return
+        request = self.requests.get(worker.request_id)
+        if request is None:
+            self.pool.forget(worker)
+            return
+        # The worker stays known for a moment: its RESULT may still be queued in the socket.
+        asyncio.get_running_loop().call_later(result_grace_seconds(exit), self._fail_crashed, request, worker, exit)
+
+    def _fail_crashed(self, request: Request, worker: Worker, exit: WorkerExit) -> None:
+        self.pool.forget(worker)
+        if self.requests.get(request.id) is not request or request.worker is not worker:
+            return
+        index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
+        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
+        message = f"worker exited while executing the instruction ({exit.describe()})"
+        self._finish_failed(request, "runtime", message, index)
+
+    def _fail_unreadable_result(self, identity: bytes, oversized: str | None, exc: protocol.WireError | None) -> None:
+        """A message from a running worker that cannot become a FINAL: fail its program clearly."""
+        worker = self.pool.workers.get(identity)
+        request = self.requests.get(worker.request_id or "") if worker is not None else None
+        if request is None or worker is None:
+            return
+        log.warning("unreadable_result", request_id=request.id, worker=identity.decode(), error=oversized or str(exc))
+        if oversized is not None:
+            self.port.fail(request, "response_too_large", oversized)
+        else:
+            self._finish_failed(request, "serialization", f"the worker's result could not be read: {exc}", None)
+
+    def _finish_failed(self, request: Request, kind: str, message: str, index: int | None) -> None:
+        """Answer a running program with a FAILED result the broker writes itself."""
+        instructions = request.program.get("instructions", [])
+        ins = instructions[index] if index is not None and index < len(instructions) else {}
+        lease_wait_ms, lease_held_ms = slots.lease_times(request.lease_times, time.monotonic())
+        result = protocol.program_result(
+            request.id,
+            error=protocol.instruction_error(kind, message, index, ins),
+            queue_ms=(request.started_at - request.queued_at) * 1000,
+            elapsed_ms=(time.monotonic() - request.started_at) * 1000,
+            lease_wait_ms=lease_wait_ms,
+            lease_held_ms=lease_held_ms,
+            gpu_ids=request.gpu_ids,
+            node_id=self.port.node_id,
+        )
+        worker = request.worker
+        self.port.finish(request, protocol.final_body(request.id, result), [])
+        if worker is not None and not worker.exited:
+            worker.request_id = None
+            self.pool.forget(worker)
+            self.supervisor.kill_worker(worker.slot)
+        self.port.dispatch()
+
+
+__all__ = ["PROGRESS_BURST", "PROGRESS_PER_SECOND", "WorkerMessages", "WorkerPort"]
