@@ -122,7 +122,7 @@ def evaluate(name, config=None):
             "activities_stable", "activities_per_call", "latency_ms_median_by", "launch_hold", "launch_hold_us",
             "launch_late_calls", "sm_clock_mhz_before", "sm_clock_mhz_after", "throttle_reasons_after",
             "throttled", "clock_steady", "host_ms_median", "integrity", "cupti_error", "latency_measure",
-            "integrity_details")
+            "integrity_details", "wall_ms", "clock_resolution_ns")
     return {key: report.get(key) for key in keep}
 '''
 
