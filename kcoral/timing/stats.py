@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from typing import Final
 
@@ -14,19 +15,39 @@ MAX_COUNT: Final = 10_000
 
 # A clock step this small against the median changes nothing worth interpolating.
 MIN_RESOLUTION_SHARE: Final = 0.002
+# A "step" this large against the median is no clock's step but a coincidence of few values.
+MAX_RESOLUTION_SHARE: Final = 0.05
+# How often a value comes up to count as a point of the clock's grid, and the share of samples
+# that must lie on the grid.
+GRID_MIN_COUNT: Final = 3
+GRID_SHARE: Final = 0.75
 
 
 def clock_resolution_ns(samples_ms: Sequence[float]) -> int | None:
-    """The step every sample is a whole multiple of (in ns), where the samples come from a clock
-    with a coarse step: None where they do not (CUDA events, or a step under 2 ns)."""
-    step = 0
+    """The step of the clock the samples were read with (ns), where it is coarse; else None.
+
+    The step is the greatest common divisor of the values that come up at least
+    :data:`GRID_MIN_COUNT` times (two of them at least), where most samples are whole multiples
+    of it: a few samples off the grid (a call whose span was trimmed) do not hide it, as they did
+    with a divisor of all samples. None for samples that are not whole nanoseconds (CUDA events).
+    """
+    whole: list[int] = []
     for value in samples_ms:
         ns = value * 1e6
-        whole = round(ns)
-        if abs(ns - whole) > 1e-3:
+        if abs(ns - round(ns)) > 1e-3:
             return None
-        step = math.gcd(step, whole)
-    return step if step >= 2 else None
+        whole.append(round(ns))
+    counts = Counter(whole)
+    frequent = [value for value, count in counts.items() if count >= GRID_MIN_COUNT and value > 0]
+    if len(frequent) < 2:
+        return None
+    step = 0
+    for value in frequent:
+        step = math.gcd(step, value)
+    on_grid = sum(count for value, count in counts.items() if value % step == 0)
+    if step < 2 or step > MAX_RESOLUTION_SHARE * statistics.median(whole) or on_grid < GRID_SHARE * len(whole):
+        return None
+    return step
 
 
 def summarize(samples_ms: Sequence[float]) -> dict[str, float | int | None]:
