@@ -2,33 +2,31 @@
 
 ``import torch`` costs seconds on a GPU host; ``os.fork()`` of a process that already imported it
 costs milliseconds. The zygote never initialises CUDA, opens no zmq context and starts no threads,
-so each forked worker begins clean and makes its own.
+so each forked worker begins clean and makes its own (see :mod:`kcoral.worker.children`).
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
-commands on stdin (``{"cmd": "kill"}``: kill the current worker and all it started;
-``{"cmd": "stop"}``), events on stdout (``ready``, ``forked``, ``exited``, and ``alive`` once a
-second, by which the supervisor knows that the zygote still watches). An ``exited`` event carries
-the worker's ``returncode`` or ``signal``, ``leftovers_killed`` (processes still alive when it
-ended), ``reason`` (why the zygote killed it: a broken limit, say) and ``instruction_index`` (the
-instruction it was executing, read from a page shared with it: a worker that dies at once takes
-its unsent progress messages with it).
+commands on stdin (``kill`` the current worker and all it started, ``busy``, ``spare``, ``stop``),
+events on stdout (``ready``, ``forked``, ``gpu_free``, ``exited``, and ``alive`` once a second, by
+which the supervisor knows that the zygote still watches). An ``exited`` event carries the
+worker's ``returncode`` or ``signal``, ``leftovers_killed``, ``reason`` (why the zygote killed it: a
+broken limit, say) and ``instruction_index`` (read from a page shared with the worker: one that
+dies at once takes its unsent progress messages with it).
 
 The zygote is the trusted side of the slot: the program in a worker can neither write to it nor
-speak for it. A worker closes every descriptor it inherits but its standard streams (which it
-points away from the zygote's) before any program runs, so the zygote's event pipe, command pipe
-and epoll set are out of reach; the zygote is not dumpable, so its memory is too. What the zygote
-reports comes from the kernel: a worker's exit from its pidfd and ``waitpid``, its processes from
-the process table. It forks the next worker only when the previous one has exited, everything
-the program started is dead and the workspace is wiped, so no program ever shares a slot with the
-one before it. It says ``exited`` only once all of that program's processes are dead, and the
-broker gives the GPU lease back only then.
+speak for it. A worker closes every inherited descriptor but its standard streams (pointed away
+from the zygote's) and its go pipe before any program runs; the zygote is not dumpable. What the
+zygote reports comes from the kernel: a worker's exit from its pidfd and ``waitpid``, its
+processes from the process table. The next worker is forked ahead but announced only once the
+previous one has exited, everything the program started is dead and the workspace is wiped, so no
+program ever shares a slot with the one before it. The GPU lease goes back at ``exited``, or at
+``gpu_free`` where the finished worker and all it started were killed holding no GPU device.
 
 Nothing a worker starts outlives it: the zygote is a child subreaper, so whatever a worker leaves
 behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, and a child made
-with ``clone(CLONE_PARENT)`` is the zygote's own child from the start. As one worker runs at a
-time, every process below the zygote belongs to the program that runs now: the watchdog counts
-and measures all of them against the process and memory limits (see :mod:`kcoral.worker.processes`
-for why those two are not rlimits alone), and kills all of them when the worker ends.
+with ``clone(CLONE_PARENT)`` is the zygote's own child from the start. Every process below the
+zygote but the spare belongs to the program that runs now: the watchdog counts and measures all of
+them against the process and memory limits (see :mod:`kcoral.worker.processes` for why those two
+are not rlimits alone), and kills all of them when the worker ends.
 """
 
 from __future__ import annotations
@@ -45,16 +43,23 @@ import selectors
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, processes, workspace
-from kcoral.worker.state import reseed_generators
+from kcoral.worker.children import (
+    PARENT_DEATH_SIGNAL,
+    Child,
+    SpareState,
+    become_worker,
+    close_go,
+    close_inherited_descriptors,
+    eager_cuda_wanted,
+    let_go,
+)
 
-EXIT_WORKER_CRASHED = 70
 FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
@@ -72,10 +77,6 @@ WORKSPACE_SAMPLE_FACTOR = 20
 # one program can take; more fails like the byte quota.
 MAX_WORKSPACE_ENTRIES = 100_000
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
-EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
-NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
-PARENT_DEATH_SIGNAL = signal.SIGUSR2
-FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: closed
 READ_CHUNK_BYTES = 65536
 
 
@@ -103,110 +104,6 @@ class ZygoteSettings:
 
 def emit(event: str, **fields: Any) -> None:
     os.write(1, (json.dumps({"event": event, **fields}) + "\n").encode())
-
-
-def _let_go(child: Child) -> None:
-    """Announce ``child`` to itself: it says READY to the broker now."""
-    if child.go is not None:
-        with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported as any other
-            os.write(child.go, b"g")
-    _close_go(child)
-
-
-def _close_go(child: Child) -> None:
-    if child.go is not None:
-        os.close(child.go)
-        child.go = None
-
-
-def close_inherited_descriptors(keep: int | None = None) -> None:
-    """Close every descriptor above the standard streams (but ``keep``, moved to the first of them).
-
-    In the zygote: what its starter left open by mistake (the broker's event loop hands each
-    child copies of its pipe ends). In a new worker: the zygote's epoll set, pidfds and any copy
-    of its event and command pipes, none of which a program may touch (a program that could add a
-    descriptor to the zygote's epoll set, or write an event line, would blind or fool it).
-    """
-    first = FIRST_INHERITED_FD
-    if keep is not None:
-        os.dup2(keep, FIRST_INHERITED_FD, inheritable=False)
-        first += 1
-    os.closerange(first, os.sysconf("SC_OPEN_MAX"))
-
-
-def become_worker(
-    settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard, go: int
-) -> None:
-    """In the forked child: set the process up and run the worker loop; never returns.
-
-    ``go`` is the read end of the pipe on which the zygote announces it (see Zygote); the worker
-    closes it before any program runs."""
-    code = EXIT_WORKER_CRASHED
-    try:
-        close_inherited_descriptors(keep=go)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)  # not the zygote's command pipe
-        os.close(devnull)
-        os.dup2(2, 1)  # not the zygote's event pipe: stray output before capture goes to the log
-        processes.BOARD = board
-        # Not dumpable, like the zygote, until it gets a program (see run_worker): a spare forked
-        # while the previous program still runs can be neither read nor written by that program.
-        os.setsid()  # its own session and group: one killpg reaches what it starts
-        processes.set_parent_death_signal(signal.SIGKILL)
-        if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
-            os._exit(code)
-        processes.set_process_name("kcoral-worker")
-        processes.set_child_subreaper()  # a program's orphans come back to the worker, to be found
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, PARENT_DEATH_SIGNAL):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
-        # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
-        # with EFBIG, which the program's result reports, instead of killing the worker.
-        confinement.configure(settings.gpu_nodes)
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
-        if settings.gpu is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
-        if settings.eager_cuda:
-            os.environ[EAGER_CUDA_ENV] = "1"
-        else:
-            os.environ.pop(EAGER_CUDA_ENV, None)
-        # Fresh seeds: a forked worker would otherwise draw the same "random" numbers as every
-        # other worker of its slot, all having inherited the zygote's generator states.
-        reseed_generators()
-        processes.apply_rlimits(settings.limits)
-        from kcoral.worker.worker import WorkerSettings, run_worker
-
-        code = run_worker(
-            WorkerSettings(
-                connect=settings.connect,
-                identity=identity,
-                slot=settings.slot,
-                gpu=settings.gpu,
-                workspace=settings.workspace,
-                max_programs=settings.max_programs,
-                go_fd=FIRST_INHERITED_FD,
-            )
-        )
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
-
-
-@dataclass
-class Child:
-    """A worker the zygote forked, and the descriptor its exit is seen through."""
-
-    pid: int
-    identity: str
-    pidfd: int | None  # readable when it has ended
-    started: float
-    board: processes.ProgressBoard  # its own: another worker's program cannot write it
-    kill_reason: str = ""  # why we killed it, when we did
-    kill_requested: bool = False  # the broker asked for the kill
-    done_at: float | None = None  # when the broker said it had its last result: now it only exits
-    # The write end of its go pipe, until the zygote announces it: only then does it say READY.
-    go: int | None = None
 
 
 class Zygote:
@@ -351,7 +248,7 @@ class Zygote:
             spare = None
         child = spare if spare is not None else self.fork_worker()
         self.current = child
-        _let_go(child)
+        let_go(child)
         self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
         emit("forked", worker=child.identity, pid=child.pid)
         self.fork_spare_ahead()
@@ -377,7 +274,7 @@ class Zygote:
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
         _kill_group(child.pid)
-        _close_go(child)
+        close_go(child)
         if child.pidfd is not None:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
@@ -425,7 +322,7 @@ class Zygote:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
             child.pidfd = None
-        _close_go(child)
+        close_go(child)
         if child is self.spare:
             self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
             return
@@ -561,54 +458,12 @@ class Zygote:
         self.stop("the broker went away")
 
 
-@dataclass(frozen=True)
-class SpareState:
-    """What another process of the same user can change in a worker and the worker cannot undo."""
-
-    priority: int
-    policy: int
-    cpus: frozenset[int]
-    rlimits: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, pid: int) -> SpareState | None:
-        try:
-            return cls(
-                os.getpriority(os.PRIO_PROCESS, pid),
-                os.sched_getscheduler(pid),
-                frozenset(os.sched_getaffinity(pid)),
-                tuple(resource.prlimit(pid, which) for which in processes.RLIMITS.values()),
-            )
-        except OSError:
-            return None
-
-    @classmethod
-    def of_this_process(cls, limits: dict[str, int]) -> SpareState:
-        """What a new worker has: this process's scheduling, the rlimits apply_rlimits sets."""
-        return cls(
-            os.getpriority(os.PRIO_PROCESS, 0),
-            os.sched_getscheduler(0),
-            frozenset(os.sched_getaffinity(0)),
-            tuple(processes.rlimit_values(limits).values()),
-        )
-
-
 def _kill_group(pid: int) -> None:
     for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
         try:
             target()
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def eager_cuda_wanted(gpu: int | None, environ: dict[str, str] | os._Environ[str]) -> bool:
-    """Whether this slot's workers should create their CUDA context while idle.
-
-    Only for a slot with a real GPU, and only when ``KCORAL_EAGER_CUDA=1`` is in the zygote's
-    environment: a worker with a context can run programs on its own GPU alone (see
-    ``kcoral.worker.worker``), so hosts that serve programs on several GPUs leave it off.
-    """
-    return gpu is not None and environ.get(EAGER_CUDA_ENV) == "1" and NVIDIA_CONTROL_DEVICE.exists()
 
 
 def main(argv: list[str] | None = None) -> int:
