@@ -15,6 +15,7 @@ import pytest
 
 from kcoral.errors import ExecutionError
 from kcoral.timing import findings, inputs, timers, trust
+from kcoral.timing.calls import timed_calls
 from kcoral.timing.cupti import GAP_ID_OFFSET, HOLD_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, reserve_external_ids
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
@@ -26,7 +27,7 @@ from kcoral.timing.inputs import (
     check_outputs,
     plan_inputs,
 )
-from kcoral.timing.timers import cupti_reasons, own_records_missing, timed_calls
+from kcoral.timing.timers import cupti_reasons, own_records_missing
 from kcoral.timing.windows import CallWindow, attribute, role_of
 
 torch = pytest.importorskip("torch")

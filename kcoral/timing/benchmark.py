@@ -2,7 +2,7 @@
 
 The steps, and which module holds each: the config (``timing.config``); the trusted state armed
 before uploaded code ran (``timing.trust``); the inputs of each call and the sample of outputs
-checked (``timing.inputs``); the runner, the timed loop and the two timers (``timing.timers``);
+checked (``timing.inputs``); the runner and the timed loop (``timing.calls``); the two timers (``timing.timers``);
 attribution of GPU work to calls by time window (``timing.windows``); the clock (``timing.nvml``);
 the ``integrity`` section (``timing.findings``). ``kcoral.builtins`` re-exports ``benchmark``.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
+from kcoral.timing.calls import Runner
 from kcoral.timing.config import ESTIMATE_CALLS, BenchmarkConfig, split_config
 from kcoral.timing.cupti import CuptiUnavailable
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
@@ -50,7 +51,6 @@ from kcoral.timing.timers import (
     CuptiTimer,
     EventTimer,
     Measurement,
-    Runner,
     initial_hold_us,
 )
 from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, ensure_tracer, verify

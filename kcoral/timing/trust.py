@@ -53,6 +53,7 @@ WATCHED_MODULES: Final = (
     "kcoral.timing.trust",
     "kcoral.timing.findings",
     "kcoral.timing.inputs",
+    "kcoral.timing.calls",
     "kcoral.timing.timers",
     "kcoral.timing.benchmark",
     "kcoral.builtins",
