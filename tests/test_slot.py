@@ -264,6 +264,33 @@ def test_1_a_program_that_closes_every_descriptor_it_has_fails_alone(service: Se
     assert_next_programs_untouched(service.url)
 
 
+LOG_WRITER = """
+import os
+def write_everywhere(marker):
+    wrote = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if int(name) > 2 and not target.startswith(("socket:", "anon_inode:")):
+                os.set_blocking(int(name), False)
+                os.write(int(name), ('{"event": "request_finished", "forged": "%s"}\\n' % marker).encode())
+                wrote.append(target)
+        except OSError:
+            pass
+    return wrote
+"""
+
+
+def test_1_a_program_cannot_write_the_brokers_log(service: Service) -> None:
+    # The worker's own stdout and stderr lead to the broker's log; none of it is within the
+    # program's reach, to forge the broker's lines or fill its disk.
+    marker = uuid.uuid4().hex
+    result = execute(service.url, program_of(LOG_WRITER, "write_everywhere", marker, cpu_only=True))
+    assert result.completed, result.error
+    assert marker not in service.broker.log(), result.results["out"]
+    assert_next_programs_untouched(service.url)
+
+
 SYSTEM_V = """
 import ctypes, os, time
 IPC_CREAT, IPC_PRIVATE = 0o1000, 0
