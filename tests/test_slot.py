@@ -575,14 +575,15 @@ def test_3_the_lease_goes_back_only_when_its_holder_has_exited(service: Service)
 
 
 EARLY_LEAVER = """
-import gc, os, time
+import ctypes, gc, os, time
 import zmq
 from kcoral import protocol
-def leave_early_and_keep_going(how, hold_s):
+def leave_early_and_keep_going(how, hold_s, name):
+    ctypes.CDLL(None).prctl(15, name.encode())  # PR_SET_NAME: the test finds this process by it
     request_id = os.environ["KCORAL_REQUEST_ID"]
     for obj in gc.get_objects():
         if isinstance(obj, zmq.Socket) and not obj.closed and obj.type == zmq.DEALER:
-            if how == "result first":  # the broker answers the client, and the GPU stays taken
+            if how == "result first":  # the broker answers the client: the worker is done with
                 body = protocol.program_result(request_id, results={"out": "done early"})
                 obj.send_multipart([protocol.VERSION, protocol.RESULT, protocol.pack(body)])
             else:  # the broker never hears from this worker again
@@ -592,21 +593,38 @@ def leave_early_and_keep_going(how, hold_s):
 """
 
 
+def running_named(name: str) -> list[psutil.Process]:
+    processes = psutil.process_iter(["name", "status"])
+    return [p for p in processes if p.info["name"] == name and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
 @pytest.mark.parametrize("how", ["result first", "socket closed"])
-def test_3_a_program_that_answers_early_or_hangs_up_keeps_the_lease_until_it_exits(service: Service, how: str) -> None:
-    hold_s = 1.0
+def test_3_a_program_that_answers_early_or_hangs_up_keeps_the_gpu_no_longer_than_it_runs(
+    service: Service, how: str
+) -> None:
+    # Answered early, the worker is killed at once (its answer was its last word); hung up, it
+    # keeps the lease until it exits. Either way the next program gets the GPU only after that.
+    hold_s = 3.0
+    name = f"kc{uuid.uuid4().hex[:10]}"
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         began = time.time()
-        leaver = pool.submit(execute, service.url, program_of(EARLY_LEAVER, "leave_early_and_keep_going", how, hold_s))
+        leaver = pool.submit(
+            execute, service.url, program_of(EARLY_LEAVER, "leave_early_and_keep_going", how, hold_s, name)
+        )
         time.sleep(0.4)  # it holds the lease by now
         after = pool.submit(execute, service.url, program_of(GPU_CLOCK, "started"))
+        if how == "result first":
+            left = leaver.result()
+            assert left.completed and left.results["out"] == "done early", left.error
+            deadline = time.monotonic() + 2.0  # well before it would have slept its hold_s out
+            while running_named(name):
+                assert time.monotonic() < deadline, "a worker that had answered kept running"
+                time.sleep(0.02)
         left, waited = leaver.result(), after.result()
-    if how == "result first":
-        assert left.completed and left.results["out"] == "done early", left.error
-    else:
-        assert_failed(left, "runtime", "worker exited")
     assert waited.completed, waited.error
-    assert waited.results["out"] >= began + hold_s, "the GPU went to the next program while the first still ran"
+    if how == "socket closed":
+        assert_failed(left, "runtime", "worker exited")
+        assert waited.results["out"] >= began + hold_s, "the GPU went to the next program while the first still ran"
     assert_next_programs_untouched(service.url)
 
 

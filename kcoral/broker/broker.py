@@ -226,7 +226,7 @@ class Broker:
     def _retire_idle_worker(self) -> None:
         worker = self.pool.take_any_idle()
         log.info("worker_retired", worker=worker.identity.decode(), reason="confined to other GPUs")
-        self.supervisor.kill_worker(worker.slot)
+        self.supervisor.kill_worker(worker.slot, worker.identity.decode())
 
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program, and the GPUs still
@@ -363,7 +363,7 @@ class Broker:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
             self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot)
+            self.supervisor.kill_worker(worker.slot, worker.identity.decode())
         self.dispatch()
 
     def fail(self, request: Request, kind: str, message: str) -> None:

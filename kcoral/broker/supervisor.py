@@ -136,22 +136,25 @@ class Supervisor:
             self._tasks.append(asyncio.create_task(self._keep_running(spec.slot)))
         self._tasks.append(asyncio.create_task(self._check_liveness()))
 
-    def kill_worker(self, slot: int) -> None:
-        """Kill the slot's current worker and everything it started."""
+    def kill_worker(self, slot: int, worker: str | None = None) -> None:
+        """Kill the slot's current worker and everything it started; only ``worker``, where named:
+        one that has exited meanwhile has a successor, which the command must not reach."""
         state = self.states.get(slot)
-        if state is not None and state.worker is not None and state.kill_asked is None:
-            state.kill_asked = (state.worker, time.monotonic())
-        self._command(slot, {"cmd": "kill"})
+        target = worker if worker is not None else state.worker if state is not None else None
+        if state is not None and target is not None and target == state.worker and state.kill_asked is None:
+            state.kill_asked = (target, time.monotonic())
+        self._command(slot, {"cmd": "kill", **({"worker": worker} if worker is not None else {})})
 
     def program_started(self, slot: int) -> None:
         """The slot's worker has a program: its successor may be forked now, off the path from that
         program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
         self._command(slot, {"cmd": "busy"})
 
-    def prepare_next_worker(self, slot: int) -> None:
-        """The slot's worker sent its last result: fork its successor now, while it exits. The
-        zygote announces the successor (and the broker uses it) only once the worker has exited."""
-        self._command(slot, {"cmd": "spare"})
+    def prepare_next_worker(self, slot: int, worker: str | None = None) -> None:
+        """The slot's worker (``worker``, where named) sent its last result: fork its successor now,
+        while it exits. The zygote announces the successor (and the broker uses it) only once the
+        worker has exited."""
+        self._command(slot, {"cmd": "spare", **({"worker": worker} if worker is not None else {})})
 
     async def _check_liveness(self) -> None:
         """Kill a zygote that stopped speaking, or that did not kill its worker when told to."""

@@ -183,7 +183,7 @@ class WorkerMessages:
             if info.get("retire_reason"):
                 log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
             if not worker.exited:
-                self.supervisor.prepare_next_worker(worker.slot)
+                self.supervisor.prepare_next_worker(worker.slot, worker.identity.decode())
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.
@@ -267,7 +267,7 @@ class WorkerMessages:
         if worker is not None and not worker.exited:
             worker.request_id = None
             self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot)
+            self.supervisor.kill_worker(worker.slot, worker.identity.decode())
         self.port.dispatch()
 
 

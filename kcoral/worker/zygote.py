@@ -5,7 +5,8 @@ costs milliseconds. The zygote never initialises CUDA, opens no zmq context and 
 so each forked worker begins clean and makes its own (see :mod:`kcoral.worker.children`).
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
-commands on stdin (``kill`` the current worker and all it started, ``busy``, ``spare``, ``stop``),
+commands on stdin (``kill`` the current worker and all it started, ``busy``, ``spare``, ``stop``;
+``kill`` and ``spare`` name their worker, and one named that is no longer current is ignored),
 events on stdout (``ready``, ``forked``, ``gpu_free``, ``exited``, and ``alive`` once a second, by
 which the supervisor knows that the zygote still watches). An ``exited`` event carries the
 worker's ``returncode`` or ``signal``, ``leftovers_killed``, ``reason`` (why the zygote killed it: a
@@ -435,6 +436,11 @@ class Zygote:
             except ValueError:
                 continue
             what = command.get("cmd")
+            # A command that names a worker is for that one alone: sent before it exited, it must
+            # not end the successor the broker may already have given a program.
+            named = command.get("worker")
+            if named is not None and (self.current is None or named != self.current.identity):
+                continue
             if what == "kill" and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
