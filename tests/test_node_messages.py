@@ -15,15 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.router.node_messages import NodeMessages
 from kcoral.router.nodes import RouterRequest
 from kcoral.router.settings import RouterSettings
-from kcoral.service.sockets import router_socket
-from tests.conftest import free_port
+from tests.links import Link, loopback_link
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,36 +55,21 @@ class RecordingRouter:
 class Harness:
     side: NodeMessages
     router: RecordingRouter
-    backend: zmq.asyncio.Socket
-    node: zmq.asyncio.Socket
+    link: Link
 
     async def deliver(self, command: bytes, body: dict[str, Any]) -> None:
-        """The node sends a message; the node side reads it as the router's receive loop would."""
-        await self.node.send_multipart(protocol.message(command, body))
-        self.side.on_message(await asyncio.wait_for(self.backend.recv_multipart(copy=False), 5))
+        await self.link.deliver(self.side.on_message, command, body)
 
     async def answer(self) -> tuple[bytes, dict[str, Any]]:
-        command, body, _ = protocol.split_message(await asyncio.wait_for(self.node.recv_multipart(), 5))
-        return command, body
+        return await self.link.answer()
 
 
 @asynccontextmanager
 async def node_side() -> AsyncIterator[Harness]:
-    context = zmq.asyncio.Context()
-    url = f"tcp://127.0.0.1:{free_port()}"
-    backend = router_socket(context)
-    backend.bind(url)
-    node = context.socket(zmq.DEALER)
-    node.setsockopt(zmq.IDENTITY, b"link-1")
-    node.connect(url)
-    router = RecordingRouter()
-    side = NodeMessages(RouterSettings(), backend=backend, router_instance_id="router-1", port=router)
-    try:
-        yield Harness(side, router, backend, node)
-    finally:
-        node.close(linger=0)
-        backend.close(linger=0)
-        context.term()
+    async with loopback_link(b"link-1") as link:
+        router = RecordingRouter()
+        side = NodeMessages(RouterSettings(), backend=link.backend, router_instance_id="router-1", port=router)
+        yield Harness(side, router, link)
 
 
 def registration(node_id: str = "gpu-host-1", capacity: int = 2) -> dict[str, Any]:

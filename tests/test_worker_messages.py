@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker.leases import LeaseTable
@@ -28,8 +26,7 @@ from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor, WorkerExit
 from kcoral.broker.worker_messages import WorkerMessages
 from kcoral.broker.workers import WORKER_EXIT_GRACE_SECONDS, WorkerPool
 from kcoral.service.shell import InFlightTable
-from kcoral.service.sockets import router_socket
-from tests.conftest import free_port
+from tests.links import Link, loopback_link
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,13 +62,10 @@ class Harness:
     side: WorkerMessages
     broker: RecordingBroker
     leases: LeaseTable
-    backend: zmq.asyncio.Socket
-    worker: zmq.asyncio.Socket
+    link: Link
 
     async def deliver(self, command: bytes, body: dict[str, Any]) -> None:
-        """The worker sends a message; the worker side reads it as the broker's receive loop would."""
-        await self.worker.send_multipart(protocol.message(command, body))
-        self.side.on_message(await asyncio.wait_for(self.backend.recv_multipart(copy=False), 5))
+        await self.link.deliver(self.side.on_message, command, body)
 
     async def join(self) -> Worker:
         await self.deliver(protocol.READY, {"slot": 0, "pid": 10})
@@ -90,33 +84,22 @@ class Harness:
 
 @asynccontextmanager
 async def worker_side() -> AsyncIterator[Harness]:
-    context = zmq.asyncio.Context()
-    url = f"tcp://127.0.0.1:{free_port()}"
-    backend = router_socket(context)
-    backend.bind(url)
-    worker = context.socket(zmq.DEALER)
-    worker.setsockopt(zmq.IDENTITY, WORKER.encode())
-    worker.connect(url)
-    states = {0: SlotState(SlotSpec(0, 0, Path("/tmp/slot-0"), ("zygote",)), worker=WORKER)}
-    supervisor = Supervisor([states[0].spec], on_exit=lambda exit: None, states=states)
-    requests: InFlightTable[Request] = InFlightTable()
-    leases = LeaseTable([0])
-    broker = RecordingBroker(requests)
-    side = WorkerMessages(
-        BrokerSettings(),
-        backend=backend,
-        pool=WorkerPool(supervisor.states),
-        requests=requests,
-        leases=leases,
-        supervisor=supervisor,
-        port=broker,
-    )
-    try:
-        yield Harness(side, broker, leases, backend, worker)
-    finally:
-        worker.close(linger=0)
-        backend.close(linger=0)
-        context.term()
+    async with loopback_link(WORKER.encode()) as link:
+        states = {0: SlotState(SlotSpec(0, 0, Path("/tmp/slot-0"), ("zygote",)), worker=WORKER)}
+        supervisor = Supervisor([states[0].spec], on_exit=lambda exit: None, states=states)
+        requests: InFlightTable[Request] = InFlightTable()
+        leases = LeaseTable([0])
+        broker = RecordingBroker(requests)
+        side = WorkerMessages(
+            BrokerSettings(),
+            backend=link.backend,
+            pool=WorkerPool(supervisor.states),
+            requests=requests,
+            leases=leases,
+            supervisor=supervisor,
+            port=broker,
+        )
+        yield Harness(side, broker, leases, link)
 
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -146,8 +129,7 @@ def test_a_lease_is_held_until_the_worker_exits_and_its_result_becomes_the_final
         async with worker_side() as t:
             request = t.running(await t.join())
             await t.deliver(protocol.LEASE, {"request_id": "r1"})
-            command, body, _ = protocol.split_message(await asyncio.wait_for(t.worker.recv_multipart(), 5))
-            assert (command, body) == (protocol.GRANT, {"request_id": "r1"})
+            assert await t.link.answer() == (protocol.GRANT, {"request_id": "r1"})
             assert t.side.holds_lease(request.worker, "r1") and holder(t.leases) == "r1"
             await t.deliver(protocol.RELEASE, {"request_id": "r1"})  # ignored: the exit gives it back
             await t.deliver(protocol.RESULT, protocol.program_result("r1", results={"sum": 5}))
