@@ -264,6 +264,66 @@ def test_1_a_program_that_closes_every_descriptor_it_has_fails_alone(service: Se
     assert_next_programs_untouched(service.url)
 
 
+SYSTEM_V = """
+import ctypes, os, time
+IPC_CREAT, IPC_PRIVATE = 0o1000, 0
+def libc():
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.shmat.restype = ctypes.c_void_p
+    lib.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.shmdt.argtypes = [ctypes.c_void_p]
+    return lib
+def leave(key, segments, each, hold_s):
+    lib = libc()
+    for index in range(segments):
+        ident = lib.shmget(key + index, each, IPC_CREAT | 0o666)
+        address = lib.shmat(ident, None, 0)
+        ctypes.memset(address, 1, each)  # resident, and attached by no process once detached
+        ctypes.memmove(address, b"the first program's secret", 26)
+        lib.shmdt(address)
+    lib.semget(key, 1, IPC_CREAT | 0o666)
+    lib.msgget(key, IPC_CREAT | 0o666)
+    time.sleep(hold_s)
+    return segments
+def find(key):
+    lib = libc()
+    ident = lib.shmget(key, 0, 0)
+    found = ctypes.string_at(lib.shmat(ident, None, 0), 26) if ident >= 0 else None
+    tables = {t: len(open(f"/proc/sysvipc/{t}").read().splitlines()) - 1 for t in ("shm", "sem", "msg")}
+    return {"found": found, "tables": tables}
+"""
+
+
+def private_ipc_or_skip(service: Service) -> None:
+    if service.sandbox == "none" and os.geteuid() != 0:
+        pytest.skip("without a sandbox, and not root, the slots share the host's IPC namespace")
+
+
+def test_1_system_v_objects_a_program_leaves_are_gone_before_the_next(service: Service) -> None:
+    # Segments, semaphores and queues outlive every process: the next program in the slot could
+    # attach to the first one's (its IPC namespace is the slot's, or the host's without a sandbox).
+    private_ipc_or_skip(service)
+    key = 0x4B43000 + uuid.uuid4().int % 0x1000
+    left = execute(service.url, program_of(SYSTEM_V, "leave", key, 1, 1 << 20, 0.0, cpu_only=True))
+    assert left.completed, left.error
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one per slot: the first one's among them
+        spies = list(pool.map(lambda _: execute(service.url, program_of(SYSTEM_V, "find", key)), range(2)))
+    for spy in spies:
+        assert spy.completed, spy.error
+        assert spy.results["out"] == {"found": None, "tables": {"shm": 0, "sem": 0, "msg": 0}}
+    assert_next_programs_untouched(service.url)
+
+
+def test_4_shared_memory_segments_no_process_attached_count_against_the_limit(service: Service) -> None:
+    private_ipc_or_skip(service)
+    key = 0x4B44000 + uuid.uuid4().int % 0x1000
+    result = execute(service.url, program_of(SYSTEM_V, "leave", key, 3, 400 << 20, 10.0, cpu_only=True))
+    assert_failed(result, "runtime", "--memory-limit", "memory in use")
+    spy = execute(service.url, program_of(SYSTEM_V, "find", key, cpu_only=True))
+    assert spy.completed and spy.results["out"]["found"] is None, spy.results
+    assert_next_programs_untouched(service.url)
+
+
 # --- 2. Zygote blinding ------------------------------------------------------------------------------
 
 BLINDER = """
@@ -353,6 +413,60 @@ def test_2_a_program_cannot_reach_the_zygotes_descriptors_or_memory(service: Ser
     assert_next_programs_untouched(service.url)
 
 
+FREEZER = """
+import os, signal, time
+def freeze_the_zygote(how, hold_s):
+    zygote = os.getppid()
+    if how == "its group":
+        os.killpg(os.getpgid(zygote), signal.SIGSTOP)
+    elif how == "all it can signal":
+        os.kill(-1, signal.SIGSTOP)  # in the sandbox: every process of its pid namespace but init
+    else:
+        os.kill(zygote, signal.SIGSTOP)
+    time.sleep(hold_s)  # unwatched, were the zygote left stopped
+    return "still running"
+"""
+
+
+def wait_until_every_slot_serves(url: str, slots: int = 2) -> None:
+    deadline = time.monotonic() + 60
+    with Client(url) as client:
+        while client.health()["workers"]["idle"] < slots:
+            assert time.monotonic() < deadline, "a slot never served again"
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["the zygote", "its group", "all it can signal"])
+def test_2_a_program_that_freezes_its_zygote_fails_and_its_slot_is_restarted(service: Service, how: str) -> None:
+    # A stopped zygote watches nothing: the supervisor finds it stopped, kills its slot's sandbox and
+    # starts a new zygote; the program fails saying so, and holds the GPU no longer than that.
+    if how == "all it can signal" and service.sandbox == "none":
+        pytest.skip("without a sandbox kill(-1) stops every process of the user, the tests' own among them")
+    start = time.monotonic()
+    result = execute(service.url, program_of(FREEZER, "freeze_the_zygote", how, 20.0))
+    assert_failed(result, "runtime", "its zygote died", "found stopped")
+    assert time.monotonic() - start < 10.0, "the frozen zygote went unnoticed for as long as a silent one"
+    wait_until_every_slot_serves(service.url)
+    assert_next_programs_untouched(service.url)
+
+
+SPOOFER = """
+import os, signal, time
+def say_the_broker_died():
+    os.kill(os.getppid(), signal.SIGUSR2)  # the signal the zygote gets when the broker dies
+    time.sleep(0.5)
+    return "still running"
+"""
+
+
+def test_2_a_program_cannot_make_its_zygote_believe_the_broker_died(service: Service) -> None:
+    restarts = zygote_restarts(service.url)
+    result = execute(service.url, program_of(SPOOFER, "say_the_broker_died", cpu_only=True))
+    assert result.completed and result.results["out"] == "still running", result.error
+    assert zygote_restarts(service.url) == restarts
+    assert_next_programs_untouched(service.url)
+
+
 # --- 3. The lease is cooperative -----------------------------------------------------------------
 
 LEASE_THIEF = """
@@ -438,22 +552,26 @@ CLONE_PARENT_HOGS = """
 import ctypes, os, signal, sys, time
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
 CLONE_PARENT = 0x8000
-HOG = "import time; held = b'x' * ({each}); time.sleep(30)  # {token}"
-def hog(count, each, token):
+HOG = "import ctypes, time; ctypes.CDLL(None).prctl(4, {dumpable}); held = b'x' * ({each}); time.sleep(30)  # {token}"
+def hog(count, each, token, dumpable):
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     for _ in range(count):
         if libc.syscall(SYS_CLONE, CLONE_PARENT | signal.SIGCHLD, 0, 0, 0, 0) == 0:  # the zygote's child
-            os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", HOG.format(each=each, token=token)])
+            code = HOG.format(each=each, token=token, dumpable=dumpable)
+            os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", code])
     time.sleep(20)
 """
 
 
-def test_4_memory_of_processes_made_with_clone_parent_counts_against_the_limit(service: Service) -> None:
+@pytest.mark.parametrize("dumpable", [1, 0], ids=["readable", "not-dumpable"])
+def test_4_memory_of_processes_made_with_clone_parent_counts_against_the_limit(service: Service, dumpable: int) -> None:
     # Three processes of 0.6 GiB each, every one under the per-process limit of 1 GiB, and all of
-    # them the zygote's children rather than the worker's: together they pass --memory-limit.
+    # them the zygote's children rather than the worker's: together they pass --memory-limit. Not
+    # dumpable, their memory maps are closed to the zygote: what they hold counts all the same.
     token = uuid.uuid4().hex
-    result = execute(service.url, program_of(CLONE_PARENT_HOGS, "hog", 3, 600 << 20, token, cpu_only=True))
+    program = program_of(CLONE_PARENT_HOGS, "hog", 3, 600 << 20, token, dumpable, cpu_only=True)
+    result = execute(service.url, program)
     assert_failed(result, "runtime", "--memory-limit", "memory in use")
     deadline = time.monotonic() + GONE_WITHIN_S
     while left := [p for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]:
@@ -681,6 +799,66 @@ def test_7_files_over_the_workspace_quota_fail_naming_it(service: Service) -> No
     # Each file is under --max-file-bytes; together they pass --max-workspace-bytes.
     result = execute(service.url, program_of(FILLER, "fill", 8, 16 << 20, cpu_only=True))
     assert_failed(result, "runtime", "--max-workspace-bytes")
+    assert_next_programs_untouched(service.url)
+
+
+HOLDER = """
+import ctypes, os, time
+PROT_READ, PROT_WRITE, MAP_SHARED = 1, 2, 1
+def hold_deleted(files, each, how):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    block = os.urandom(1 << 20)
+    held = []
+    for index in range(files):
+        if how == "memfd":
+            fd = os.memfd_create(f"part-{index}")
+        else:
+            fd = os.open(f"part-{index}", os.O_RDWR | os.O_CREAT, 0o600)
+            os.unlink(f"part-{index}")  # out of the workspace's sight, not off the disk
+        for _ in range(each >> 20):
+            os.write(fd, block)
+        if how == "mapped":  # held by a mapping alone
+            held.append(libc.mmap(None, each, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0))
+            os.close(fd)
+    time.sleep(10)
+"""
+
+
+@pytest.mark.parametrize("how", ["deleted", "memfd", "mapped"])
+def test_7_deleted_files_a_program_holds_count_against_its_quota(service: Service, how: str) -> None:
+    # Each under --max-file-bytes and none in the workspace: together over --max-workspace-bytes.
+    result = execute(service.url, program_of(HOLDER, "hold_deleted", 4, 32 << 20, how, cpu_only=True))
+    assert_failed(result, "runtime", "--max-workspace-bytes", "deleted files it holds")
+    assert_next_programs_untouched(service.url)
+
+
+FAIR_FILES = """
+import os, time
+def hard_links(names, each):
+    with open("data", "wb") as handle:
+        handle.write(os.urandom(each))
+    for index in range(names):
+        os.link("data", f"name-{index}")
+    time.sleep(1.0)  # several samples of the workspace
+    return len(os.listdir("."))
+def sparse(files, each):
+    for index in range(files):
+        with open(f"sparse-{index}", "wb") as handle:
+            handle.truncate(each)
+    time.sleep(1.0)
+    return len(os.listdir("."))
+"""
+
+
+@pytest.mark.parametrize(("name", "args"), [("hard_links", (10, 16 << 20)), ("sparse", (4, 200 << 20))])
+def test_7_the_quota_counts_the_disk_files_take_not_their_names_or_holes(
+    service: Service, name: str, args: tuple[int, int]
+) -> None:
+    # 16 MiB under eleven names, 800 MiB of holes: each well under the quota on disk.
+    result = execute(service.url, program_of(FAIR_FILES, name, *args, cpu_only=True))
+    assert result.completed, result.error
     assert_next_programs_untouched(service.url)
 
 

@@ -47,6 +47,10 @@ ZYGOTE_SILENCE_SECONDS = 10.0
 # A worker the zygote was told to kill must be reported exited within this time, or the zygote goes.
 KILL_GRACE_SECONDS = 5.0
 LIVENESS_CHECK_SECONDS = 1.0
+# A zygote never stops itself: one found stopped (SIGSTOP from a program, or a tracer) at this many
+# checks in a row is frozen, and so is its watchdog. Killed then, long before ZYGOTE_SILENCE_SECONDS
+# (measured: a program that froze its zygote ran 11 s unwatched before the silence rule caught it).
+STOPPED_CHECKS = 2
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class SlotState:
     spec: SlotSpec
     process: asyncio.subprocess.Process | None = None
     zygote_pid: int | None = None
+    zygote_host_pid: int | None = None  # the zygote itself (zygote_pid is the bwrap around it, if any)
+    stopped_checks: int = 0  # liveness checks in a row that found the zygote stopped
     worker: str | None = None
     worker_pid: int | None = None
     restarts: int = 0
@@ -150,7 +156,9 @@ class Supervisor:
                 if process is None or process.returncode is not None or state.state != "running":
                     continue
                 why = ""
-                if now - state.last_heard > ZYGOTE_SILENCE_SECONDS:
+                if self._stopped(state):
+                    why = f"the zygote was found stopped (SIGSTOP, or a tracer) at {STOPPED_CHECKS} checks in a row"
+                elif now - state.last_heard > ZYGOTE_SILENCE_SECONDS:
                     why = f"the zygote was silent for {now - state.last_heard:.1f} s"
                 elif state.kill_asked is not None and now - state.kill_asked[1] > KILL_GRACE_SECONDS:
                     why = f"the zygote did not end worker {state.kill_asked[0]} within {KILL_GRACE_SECONDS:g} s"
@@ -158,6 +166,12 @@ class Supervisor:
                     log.error("zygote_unresponsive", slot=state.spec.slot, reason=why)
                     state.killed_for = why
                     _kill_session(process.pid)
+
+    @staticmethod
+    def _stopped(state: SlotState) -> bool:
+        info = processes.read_process(state.zygote_host_pid) if state.zygote_host_pid is not None else None
+        state.stopped_checks = state.stopped_checks + 1 if info is not None and info.state in "Tt" else 0
+        return state.stopped_checks >= STOPPED_CHECKS
 
     async def stop(self) -> None:
         self._stopping = True
@@ -238,6 +252,8 @@ class Supervisor:
         state.state = "starting"
         state.kill_asked = None
         state.killed_for = ""
+        state.zygote_host_pid = None
+        state.stopped_checks = 0
         log.info("zygote_started", slot=spec.slot, gpu=spec.gpu, pid=process.pid)
         assert process.stdout is not None
         while True:
@@ -255,6 +271,7 @@ class Supervisor:
             self._handle_event(state, event)
         _kill_session(process.pid)  # what is left of its sandbox
         code = await process.wait()
+        died = state.killed_for or f"the zygote exited with code {code}"
         if not self._stopping:
             why = f" ({state.killed_for})" if state.killed_for else ""
             state.last_error = f"zygote exited with code {code}{why}"
@@ -263,7 +280,7 @@ class Supervisor:
             # Its worker's processes came to us (the subreaper): they die before the broker hears
             # of the exit, which gives their GPU lease to the next program.
             await self._collect_orphans()
-            self.on_exit(WorkerExit(spec.slot, state.worker, None, None, zygote_died=True))
+            self.on_exit(WorkerExit(spec.slot, state.worker, None, None, zygote_died=True, reason=died))
             state.worker = None
         state.state = "stopped"
 
@@ -271,6 +288,10 @@ class Supervisor:
         kind = event.get("event")
         if kind == "ready":
             state.state = "running"
+            inside = _optional_int(event.get("pid"))
+            if state.process is not None and inside is not None:
+                # Found now, while no program runs in the sandbox to pose as it.
+                state.zygote_host_pid = processes.find_in_sandbox(state.process.pid, inside)
         elif kind == "forked":
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
@@ -344,6 +365,7 @@ def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, conn
             max_programs=settings.max_programs_per_worker,
             limits=settings.limits,
             preload=settings.preload,
+            sandboxed=settings.sandbox == "bubblewrap",
         )
         argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
         specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
@@ -359,6 +381,7 @@ def zygote_command(
     max_programs: int,
     limits: dict[str, int],
     preload: str = "numpy,torch",
+    sandboxed: bool = False,
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -379,4 +402,6 @@ def zygote_command(
     ]
     if gpu is not None:
         argv += ["--gpu", str(gpu)]
+    if sandboxed:
+        argv.append("--sandboxed")
     return argv

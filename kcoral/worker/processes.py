@@ -39,6 +39,7 @@ import mmap
 import os
 import resource
 import signal
+import stat
 import struct
 import time
 from collections.abc import Iterable, Iterator
@@ -53,6 +54,9 @@ PR_SET_CHILD_SUBREAPER = 36
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 KILL_PAUSE_SECONDS = 0.002  # between kill rounds: let the dying be re-parented to us
 KILL_GIVE_UP_SECONDS = 10.0  # a process stuck in the kernel (state D) is left for later rounds
+BLOCK_BYTES = 512  # the unit of st_blocks
+UNLINKED_MARK = " (deleted)"  # how /proc names a file that no directory holds any more
+SANDBOX_SEARCH_MOST = 16  # processes looked at for a zygote in its sandbox (bwrap, its init, it, a worker)
 
 # The broker flags behind each limit, named in the messages users see.
 LIMIT_FLAGS = {
@@ -206,6 +210,28 @@ def descendants(root: int, most: int | None = None, spare: frozenset[int] | set[
                 if most is not None and len(found) > most:
                     return found
     return found
+
+
+def namespace_pid(pid: int) -> int | None:
+    """The pid that process ``pid`` has in its own pid namespace (inside a sandbox), or None."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def find_in_sandbox(root: int, inside: int) -> int | None:
+    """Our pid of the process that is ``inside`` in its own pid namespace: ``root`` itself, or a
+    process below it (the zygote under the bwrap started as ``root``, say). Call it before any
+    program runs there: the first match wins."""
+    for pid in [root, *descendants(root, SANDBOX_SEARCH_MOST)]:
+        if namespace_pid(pid) == inside:
+            return pid
+    return None
 
 
 def orphans_from_workers(exclude: set[int]) -> list[ProcessInfo]:
@@ -373,11 +399,69 @@ def private_memory(pids: Iterable[int]) -> int:
     the cheap sum is already over the limit.
     """
     total_kib = 0
-    for rollup in _proc_files(pids, "smaps_rollup"):
-        for line in rollup.splitlines():
-            if line.startswith((b"Pss_Anon:", b"Pss_Shmem:")):
+    for pid in pids:
+        # A process that made itself not dumpable hides its smaps_rollup from us (unless we may
+        # trace it); its status stays readable, with the same counts unsplit: never fewer bytes.
+        lines = _rollup_or_status(pid)
+        for line in lines:
+            if line.startswith((b"Pss_Anon:", b"Pss_Shmem:", b"RssAnon:", b"RssShmem:")):
                 total_kib += int(line.split()[1])
     return total_kib * 1024
+
+
+def _rollup_or_status(pid: int) -> list[bytes]:
+    for name in ("smaps_rollup", "status"):
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as handle:
+                return handle.read().splitlines()
+        except PermissionError:
+            continue
+        except OSError:
+            return []  # gone meanwhile
+    return []
+
+
+def unlinked_file_bytes(pids: Iterable[int]) -> int:
+    """The allocated bytes of the files that ``pids`` keep open or map shared while no directory
+    holds them any more: deleted files and memfds, each once.
+
+    A walk of the workspace misses them, yet they take the disk (or, memfds, the memory) that files
+    in the workspace would, until the last process holding them ends. A file known only by a
+    mapping counts for the extent mapped: its size needs ``/proc/PID/map_files``, which wants
+    CAP_CHECKPOINT_RESTORE. Shared anonymous memory and System V segments (``/dev/zero``,
+    ``/SYSV...``) are memory, which the memory limit counts.
+    """
+    sizes: dict[tuple[int, int, int], int] = {}
+    for pid in pids:
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone meanwhile
+        for fd in descriptors:
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                if not os.readlink(path).endswith(UNLINKED_MARK):
+                    continue
+                info = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                sizes[(os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)] = info.st_blocks * BLOCK_BYTES
+    mapped: dict[tuple[int, int, int], int] = {}
+    for maps in _proc_files(pids, "maps"):
+        for line in maps.splitlines():
+            if not line.endswith(UNLINKED_MARK.encode()):
+                continue
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or fields[1][3:4] != b"s" or fields[5].startswith((b"/dev/zero", b"/SYSV")):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split(b"-"))
+            major, minor = (int(x, 16) for x in fields[3].split(b":"))
+            key = (major, minor, int(fields[4]))
+            mapped[key] = max(mapped.get(key, 0), int(fields[2], 16) + end - start)
+    for key, extent in mapped.items():
+        sizes.setdefault(key, extent)
+    return sum(sizes.values())
 
 
 def rlimit_values(limits: dict[str, int]) -> dict[int, tuple[int, int]]:
@@ -445,15 +529,16 @@ def explain_limit_error(message: str, limits: dict[str, int]) -> str | None:
     return None
 
 
-def limit_breach(pids: list[int], limits: dict[str, int]) -> str | None:
-    """The watchdog's verdict on one sample of a worker's tree: None, or why it must die."""
+def limit_breach(pids: list[int], limits: dict[str, int], detached_bytes: int = 0) -> str | None:
+    """The watchdog's verdict on one sample of a worker's tree: None, or why it must die.
+    ``detached_bytes``: memory the program holds outside its processes (System V segments)."""
     usage = tree_usage(pids)
     most = limits.get("processes") or 0
     if most and usage.processes > most:
         return f"{usage.processes} processes, over {describe_limit('processes', most)}"
     memory = limits.get("memory_bytes") or 0
-    if memory and usage.resident_bytes > memory:
-        used = private_memory(pids)
+    if memory and usage.resident_bytes + detached_bytes > memory:
+        used = private_memory(pids) + detached_bytes
         if used > memory:
             return f"{format_bytes(used)} of memory in use, over {describe_limit('memory_bytes', memory)}"
     return None
@@ -475,11 +560,13 @@ __all__ = [
     "descendants",
     "describe_limit",
     "explain_limit_error",
+    "find_in_sandbox",
     "format_bytes",
     "kill_all",
     "kill_descendants",
     "kill_processes",
     "limit_breach",
+    "namespace_pid",
     "note_progress",
     "orphans_from_workers",
     "private_memory",
@@ -489,4 +576,5 @@ __all__ = [
     "set_parent_death_signal",
     "set_process_name",
     "tree_usage",
+    "unlinked_file_bytes",
 ]

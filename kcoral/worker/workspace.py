@@ -6,15 +6,25 @@ leaves pointing at another place is removed, never its target.
 
 The quota (``--max-workspace-bytes``) is the disk space a program's files take (allocated blocks,
 so a sparse file counts for what it really holds) plus a block per directory entry (an empty file
-still costs an inode). It is checked by sampling, the same way under both sandboxes, and the zygote
-kills the worker and everything it started when a sample is over: a kernel quota would need a
-filesystem per slot (a size-limited tmpfs holds the files in RAM, and a loop device or project
-quotas need privileges the broker may not have). A program can therefore overshoot by what it
-writes between two samples; see :data:`kcoral.worker.zygote.WORKSPACE_SAMPLE_SECONDS`.
+still costs an inode; a file with several names, its blocks once). Files a program deleted but
+still holds open or mapped count too (:func:`kcoral.worker.processes.unlinked_file_bytes`, in the
+zygote's sample): they take the same disk. It is checked by sampling, the same way under both
+sandboxes, and the zygote kills the worker and everything it started when a sample is over: a
+kernel quota would need a filesystem per slot (a size-limited tmpfs holds the files in RAM, and a
+loop device or project quotas need privileges the broker may not have). A program can therefore
+overshoot by what it writes between two samples; see
+:data:`kcoral.worker.zygote.WORKSPACE_SAMPLE_SECONDS`.
+
+A program can also leave System V IPC objects (shared memory segments, semaphore sets, message
+queues): they outlive every process, and the next program could attach to them. Where the slot has
+an IPC namespace of its own (always inside bubblewrap; without a sandbox where the zygote may make
+one) the zygote removes them all with the files (:func:`remove_ipc_objects`), and counts the
+segments no process has attached against the memory limit (:func:`detached_segment_bytes`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import stat
@@ -68,6 +78,7 @@ def usage(directory: Path, most_entries: int) -> WorkspaceUsage:
     """
     total = 0
     entries = 0
+    linked: set[tuple[int, int]] = set()  # files with several names (hard links) seen so far
     pending = [str(directory)]
     while pending:
         current = pending.pop()
@@ -90,10 +101,76 @@ def usage(directory: Path, most_entries: int) -> WorkspaceUsage:
                     info = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
+                if info.st_nlink > 1 and not stat.S_ISDIR(info.st_mode):
+                    if (info.st_dev, info.st_ino) in linked:
+                        continue  # another name of a file counted already: its blocks are on disk once
+                    linked.add((info.st_dev, info.st_ino))
                 total += info.st_blocks * BLOCK_BYTES
                 if stat.S_ISDIR(info.st_mode):
                     pending.append(entry.path)
     return WorkspaceUsage(total + entries * ENTRY_BYTES, entries, complete=True)
 
 
-__all__ = ["ENTRY_BYTES", "WorkspaceUsage", "remove_tree", "usage", "wipe"]
+# --- the slot's System V IPC objects -------------------------------------------------------------
+
+# /proc/sysvipc/<table>: a header, then one object a line; the column of its id.
+SYSV_ID_COLUMNS = {"shm": "shmid", "sem": "semid", "msg": "msqid"}
+IPC_RMID = 0
+CLONE_NEWIPC = 0x08000000
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def private_ipc_namespace() -> bool:
+    """Enter an IPC namespace of our own; whether we could (it needs CAP_SYS_ADMIN)."""
+    return bool(_libc().unshare(CLONE_NEWIPC) == 0)
+
+
+def _ipc_rows(table: str) -> list[dict[str, str]]:
+    try:
+        with open(f"/proc/sysvipc/{table}") as handle:
+            header, *lines = handle.read().splitlines()
+    except (OSError, ValueError):
+        return []
+    names = header.split()
+    return [dict(zip(names, line.split())) for line in lines]
+
+
+def remove_ipc_objects() -> int:
+    """Remove every System V IPC object of this process's IPC namespace; return how many went.
+    Only for a namespace of the slot's own: in the host's it would take other programs' too."""
+    libc = _libc()
+    removers = {
+        "shm": lambda ident: libc.shmctl(ident, IPC_RMID, None),
+        "sem": lambda ident: libc.semctl(ident, 0, IPC_RMID),
+        "msg": lambda ident: libc.msgctl(ident, IPC_RMID, None),
+    }
+    removed = 0
+    for table, column in SYSV_ID_COLUMNS.items():
+        for row in _ipc_rows(table):
+            ident = row.get(column)
+            if ident is not None and removers[table](int(ident)) == 0:
+                removed += 1
+    return removed
+
+
+def detached_segment_bytes() -> int:
+    """The memory of this IPC namespace's shared memory segments that no process has attached.
+    (An attached one is in the Pss_Shmem of the processes that attached it.)"""
+    return sum(
+        int(row.get("rss", 0)) + int(row.get("swap", 0)) for row in _ipc_rows("shm") if row.get("nattch") == "0"
+    )
+
+
+__all__ = [
+    "ENTRY_BYTES",
+    "WorkspaceUsage",
+    "detached_segment_bytes",
+    "private_ipc_namespace",
+    "remove_ipc_objects",
+    "remove_tree",
+    "usage",
+    "wipe",
+]

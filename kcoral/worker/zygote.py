@@ -93,6 +93,7 @@ class ZygoteSettings:
     limits: dict[str, int] = field(default_factory=dict)
     eager_cuda: bool = False  # workers create their CUDA context before READY (real GPUs only)
     gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
+    private_ipc: bool = False  # the IPC namespace is the slot's own: System V objects go between programs
 
     @property
     def watched(self) -> bool:
@@ -206,6 +207,7 @@ class Zygote:
         self.next_workspace_sample = 0.0
         self.next_alive = 0.0
         self.expected = SpareState.of_this_process(settings.limits)
+        self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
 
     def serve(self) -> int:
         for name in self.settings.preload:
@@ -256,15 +258,21 @@ class Zygote:
                             CRASH_BACKOFF_FIRST_SECONDS * 2 ** (self.crashes - CRASH_LOOP_AFTER),
                         )
                     )
-                workspace.wipe(self.settings.workspace)
+                self.clear_slot()
                 self.announce_next()
             self.wait_for_event()
         for child in self.children():
             self.kill(child, "")
         while self.current is not None or self.spare is not None:
             self.wait_for_event()
-        workspace.wipe(self.settings.workspace)
+        self.clear_slot()
         return 0
+
+    def clear_slot(self) -> None:
+        """Empty what a program can leave in the slot: its workspace and System V IPC objects."""
+        workspace.wipe(self.settings.workspace)
+        if self.settings.private_ipc:
+            workspace.remove_ipc_objects()
 
     def children(self) -> list[Child]:
         return [c for c in (self.current, self.spare) if c is not None]
@@ -409,22 +417,25 @@ class Zygote:
         # Every process below the zygote but the spare: the worker's tree and those it made with
         # CLONE_PARENT.
         tree = processes.descendants(os.getpid(), most, spare=self.spared())
-        breach = processes.limit_breach(tree, limits)
+        detached = workspace.detached_segment_bytes() if self.settings.private_ipc else 0
+        breach = processes.limit_breach(tree, limits, detached)
         if breach is None and limits.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
-            breach = self.workspace_breach(limits["workspace_bytes"])
+            breach = self.workspace_breach(limits["workspace_bytes"], tree)
         if breach is not None:
             self.kill(child, f"the zygote killed it: {breach}")
 
-    def workspace_breach(self, quota: int) -> str | None:
+    def workspace_breach(self, quota: int, tree: list[int]) -> str | None:
         start = time.monotonic()
         used = workspace.usage(self.settings.workspace, MAX_WORKSPACE_ENTRIES)
+        unlinked = processes.unlinked_file_bytes(tree)  # deleted files and memfds still held
         took = time.monotonic() - start
         self.next_workspace_sample = time.monotonic() + max(WORKSPACE_SAMPLE_SECONDS, WORKSPACE_SAMPLE_FACTOR * took)
         limit = processes.describe_limit("workspace_bytes", quota)
         if not used.complete:
             return f"more than {MAX_WORKSPACE_ENTRIES} files in its workspace, over {limit}"
-        if used.bytes > quota:
-            return f"{processes.format_bytes(used.bytes)} in its workspace, over {limit}"
+        if used.bytes + unlinked > quota:
+            held = f" and in deleted files it holds ({processes.format_bytes(unlinked)})" if unlinked else ""
+            return f"{processes.format_bytes(used.bytes + unlinked)} in its workspace{held}, over {limit}"
         return None
 
     def kill(self, child: Child, reason: str) -> None:
@@ -478,6 +489,8 @@ class Zygote:
             self.kill(child, reason)
 
     def _on_broker_death(self, signum: int, frame: Any) -> None:
+        if os.getppid() == self.parent:
+            return  # not the kernel's: a program sent it (we are re-parented before that one comes)
         self.stop("the broker went away")
 
 
@@ -541,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", default="numpy,torch")
     parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
     parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
+    parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own (its IPC namespace)")
     args = parser.parse_args(argv)
     close_inherited_descriptors()
     limits = {str(k): int(v) for k, v in json.loads(args.limits).items()}
@@ -556,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         limits=limits,
         eager_cuda=eager_cuda_wanted(args.gpu, os.environ),
         gpu_nodes=None if args.gpu_nodes is None else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
+        # Without a sandbox, one of our own where we may make it (root): else the host's, shared.
+        private_ipc=args.sandboxed or workspace.private_ipc_namespace(),
     )
     return Zygote(settings).serve()
 
