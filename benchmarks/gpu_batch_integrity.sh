@@ -16,7 +16,7 @@
 #   $OUT/pytest-attacks.log  the GPU tests (each attack CAUGHT; honest remote workloads correct, ok)
 #   $OUT/timing-ncu.log      benchmark() vs Nsight Compute per workload, in one process
 #   $OUT/timing-service.log  10 programs per workload: medians, spread, verdicts, worst vs ncu, pass
-#   $OUT/defences-cost.log   total benchmark() time with the defences on and off, alternating
+#   $OUT/defences-cost.log   what the defences cost benchmark(): timed inside, and on against off
 set -u
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-integrity}
@@ -73,7 +73,8 @@ step pytest-attacks 190 env KCORAL_ATTACK_URL="$URL" KCORAL_ATTACK_TABLE="$OUT/a
 stop_broker
 trap - EXIT
 
-# The defences' cost on the honest workloads' total benchmark() time (on and off, alternating).
-step defences-cost 50 "$PY" benchmarks/timing.py --defences-cost 3 --json "$OUT/defences-cost.json"
+# The defences' cost on the honest workloads' benchmark() time: timed inside each call, and on
+# against off in turns (6 rounds after 2 thrown away, default and fixed-count configs).
+step defences-cost 150 "$PY" benchmarks/timing.py --defences-cost 6 --json "$OUT/defences-cost.json"
 
 echo "done; logs in $OUT" | tee -a "$SUMMARY"

@@ -48,12 +48,21 @@ WORKLOADS = ("add_16m_f32", "add_256k_f32", "matmul_4096_bf16", "matmul_side_str
 DEFAULT_WORKLOADS = WORKLOADS[:4]
 ADD_ELEMENTS = {"add_16m_f32": 1 << 24, "add_256k_f32": 1 << 18, "small_add": 1 << 20}
 # Workloads compared with the kernel's own duration rather than ncu's gpu__time_duration, which adds
-# ~1.1 us of front-end launch processing per kernel (25-35% of a 3-4 us kernel).
+# ~1.2 us of its own bracketing to every kernel (40% of the 256K add's 3 us; a kernel that does
+# nothing reads 1.86 us there, against 0.17 us of SM activity).
 COMPARE_WITH_KERNEL_DURATION = frozenset({"add_256k_f32", "small_add"})
-# The kernel's own duration by ncu: its gpu__time_duration less that of a kernel that does nothing
-# (launched the same way, one thread spinning zero cycles), i.e. less what ncu counts for the launch
-# itself. (sm__cycles_elapsed.max over the clock read the same as gpu__time_duration: 3.13 us for the
-# 256K add on the H200, where CUPTI's kernel duration is 1.86 us.)
+# The kernel's own duration by ncu, three ways (all recorded; NCU_OWN_MEASURE is compared with):
+# - gr_active: cycles the compute engine (GR) was active over the GR clock: from the grid's start
+#   to its last block's end, without ncu's bracketing;
+# - time_active: gpu__time_active, the time the GPU was active in the range;
+# - sm_active: the busiest SM's cycles with a warp in flight over the SM clock: leaves out the
+#   block distribution across SMs, so it reads below the kernel's span on a short kernel.
+NCU_OWN_METRICS: dict[str, tuple[str, str | None]] = {
+    "gr_active": ("gr__cycles_active.max", "gr__cycles_elapsed.avg.per_second"),
+    "time_active": ("gpu__time_active.sum", None),
+    "sm_active": ("sm__cycles_active.max", "sm__cycles_elapsed.avg.per_second"),
+}
+NCU_OWN_MEASURE = "gr_active"
 NULL_KERNEL = "null_kernel"
 NCU_TOLERANCE = 0.05
 SPREAD_TOLERANCE = 0.03
@@ -66,9 +75,6 @@ PROGRAM_TIMEOUT_S = 120
 NCU_SAME_AS = {"matmul_side_stream": "matmul_4096_bf16"}
 NCU_TIME_METRIC = "gpu__time_duration.sum"
 NCU_CLOCK_METRIC = "sm__cycles_elapsed.avg.per_second"
-# The kernel's own duration: the cycles the longest-running SM spent in it, over the SM clock. It
-# leaves out the front end's launch processing that gpu__time_duration includes.
-NCU_CYCLES_METRIC = "sm__cycles_elapsed.max"
 # ncu reports values in these units (with --print-units base: ns and cycle/second).
 NCU_UNIT_TO_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3}
 NCU_UNIT_TO_MHZ = {"cycle/second": 1e-6, "cycle/nsecond": 1e3, "cycle/usecond": 1.0, "hz": 1e-6, "mhz": 1.0}
@@ -116,7 +122,7 @@ def evaluate(name, config=None):
             "activities_stable", "activities_per_call", "latency_ms_median_by", "launch_hold", "launch_hold_us",
             "launch_late_calls", "sm_clock_mhz_before", "sm_clock_mhz_after", "throttle_reasons_after",
             "throttled", "clock_steady", "host_ms_median", "integrity", "cupti_error", "latency_measure",
-            "integrity_details")
+            "integrity_details", "wall_ms", "clock_resolution_ns")
     return {key: report.get(key) for key in keep}
 '''
 
@@ -213,62 +219,89 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def parse_ncu_csv(text: str, iters: int) -> dict[str, Any] | None:
-    """Median per-call gpu__time_duration.sum (ms, kernels summed per call) and the median SM clock."""
+def ncu_metric_names() -> list[str]:
+    names = [NCU_TIME_METRIC, NCU_CLOCK_METRIC]
+    for value, clock in NCU_OWN_METRICS.values():
+        names += [value] if clock is None else [value, clock]
+    return list(dict.fromkeys(names))
+
+
+def _ncu_rows(text: str) -> dict[str, list[float]]:
+    """Each metric's values in kernel order, in ms for times, MHz for clocks, cycles for counts."""
     lines = [line for line in text.splitlines() if line.startswith('"')]
-    if not lines:
-        return None
-    durations: list[float] = []
-    clocks: list[float] = []
-    cycles: list[float] = []
+    values: dict[str, list[float]] = {}
     for row in csv.DictReader(lines):
-        metric = row.get("Metric Name")
+        metric = row.get("Metric Name") or ""
         unit = (row.get("Metric Unit") or "").strip()
         raw = (row.get("Metric Value") or "").replace(",", "").strip()
         try:
             value = float(raw)
         except ValueError:
             continue
-        if metric == NCU_TIME_METRIC and unit in NCU_UNIT_TO_MS:
-            durations.append(value * NCU_UNIT_TO_MS[unit])
-        elif metric == NCU_CLOCK_METRIC and unit.lower() in NCU_UNIT_TO_MHZ:
-            clocks.append(value * NCU_UNIT_TO_MHZ[unit.lower()])
-        elif metric == NCU_CYCLES_METRIC:
-            cycles.append(value)
+        if unit in NCU_UNIT_TO_MS:
+            value *= NCU_UNIT_TO_MS[unit]
+        elif unit.lower() in NCU_UNIT_TO_MHZ:
+            value *= NCU_UNIT_TO_MHZ[unit.lower()]
+        values.setdefault(metric, []).append(value)
+    return values
+
+
+def _per_call(values: list[float], iters: int) -> list[float]:
+    """Every call launches the same kernels in order, so rows group into ``iters`` equal runs."""
+    if iters > 0 and values and len(values) % iters == 0:
+        per_call = len(values) // iters
+        return [sum(values[i : i + per_call]) for i in range(0, len(values), per_call)]
+    return values
+
+
+def parse_ncu_csv(text: str, iters: int) -> dict[str, Any] | None:
+    """Median per-call gpu__time_duration.sum (ms, kernels summed per call), the median SM clock,
+    and the kernel's own duration by each of :data:`NCU_OWN_METRICS` (ms, ``own_by``)."""
+    values = _ncu_rows(text)
+    durations = values.get(NCU_TIME_METRIC, [])
     if not durations:
         return None
-    # Each kernel's own duration: its busiest SM's elapsed cycles at the clock ncu saw for it.
-    kernel_ms = (
-        [c / (mhz * 1e3) for c, mhz in zip(cycles, clocks) if mhz > 0]
-        if len(cycles) == len(clocks) == len(durations)
-        else []
-    )
-    # Every call launches the same kernels in order, so rows group into `iters` equal runs.
-    if iters > 0 and len(durations) % iters == 0:
-        per_call = len(durations) // iters
-        calls = [sum(durations[i : i + per_call]) for i in range(0, len(durations), per_call)]
-        kernel_calls = [sum(kernel_ms[i : i + per_call]) for i in range(0, len(kernel_ms), per_call)]
-    else:
-        log(f"ncu: {len(durations)} kernel rows do not split into {iters} calls; using per-kernel median")
-        per_call = 0
-        calls = durations
-        kernel_calls = kernel_ms
+    if iters > 0 and len(durations) % iters:
+        log(f"ncu: {len(durations)} kernel rows do not split into {iters} calls; using per-kernel medians")
+    own_by: dict[str, float] = {}
+    for label, (metric, clock_metric) in NCU_OWN_METRICS.items():
+        counts = values.get(metric, [])
+        clocks = values.get(clock_metric, []) if clock_metric else []
+        if clock_metric is None:
+            kernel_ms = counts
+        elif len(counts) == len(clocks):
+            kernel_ms = [c / (mhz * 1e3) for c, mhz in zip(counts, clocks) if mhz > 0]
+        else:
+            kernel_ms = []
+        if kernel_ms:
+            own_by[label] = float(statistics.median(_per_call(kernel_ms, iters)))
+    clocks = values.get(NCU_CLOCK_METRIC, [])
     return {
-        "median_ms": float(statistics.median(calls)),
-        "kernel_median_ms": float(statistics.median(kernel_calls)) if kernel_calls else None,
-        "kernels_per_call": per_call,
+        "median_ms": float(statistics.median(_per_call(durations, iters))),
+        "kernels_per_call": len(durations) // iters if iters > 0 and len(durations) % iters == 0 else 0,
         "sm_clock_mhz": float(statistics.median(clocks)) if clocks else None,
+        "own_by": own_by,
     }
 
 
 def ncu_median(name: str, iters: int, ncu: str, workdir: Path) -> dict[str, Any] | None:
+    """ncu's figures for one workload; with the duration and clock alone where this ncu does not
+    know one of the own-duration metrics (it then profiles nothing)."""
+    value = _ncu_profile(name, iters, ncu, workdir, ncu_metric_names())
+    if value is None:
+        log(f"ncu: retrying {name} with {NCU_TIME_METRIC} and {NCU_CLOCK_METRIC} alone")
+        value = _ncu_profile(name, iters, ncu, workdir, [NCU_TIME_METRIC, NCU_CLOCK_METRIC])
+    return value
+
+
+def _ncu_profile(name: str, iters: int, ncu: str, workdir: Path, metrics: list[str]) -> dict[str, Any] | None:
     log_path = workdir / f"ncu_{name}.log"
     command = [
         ncu,
         "--clock-control",
         "none",
         "--metrics",
-        f"{NCU_TIME_METRIC},{NCU_CLOCK_METRIC},{NCU_CYCLES_METRIC}",
+        ",".join(metrics),
         "--csv",
         "--print-units",
         "base",
@@ -341,57 +374,109 @@ def fmt(value: float | None, unit_us: bool = True) -> str:
 
 def ncu_reference_ms(name: str, ncu_row: dict[str, Any] | None) -> tuple[float | None, str]:
     """What benchmark() is compared with: ncu's gpu__time_duration, or for the small adds the
-    kernel's own duration (ncu's duration less a null kernel's, see ``NULL_KERNEL``)."""
+    kernel's own duration (:data:`NCU_OWN_MEASURE`)."""
     row = ncu_row or {}
-    if name in COMPARE_WITH_KERNEL_DURATION and row.get("own_ms"):
-        return float(row["own_ms"]), "kernel"
+    own = (row.get("own_by") or {}).get(NCU_OWN_MEASURE)
+    if name in COMPARE_WITH_KERNEL_DURATION and own:
+        return float(own), "kernel"
     value = row.get("median_ms")
     return (float(value), "duration") if value else (None, "-")
 
 
+# What --defences-cost times: benchmark() as a program calls it (its defaults), and with fixed call
+# counts and no clock warm-up, where the work done is the same on and off and only the defences'
+# own work differs (the defaults size the counts from an estimate of one call, which moves).
+DEFENCES_COST_CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fixed": {"warmup": 20, "repeat": 200, "clock_warmup_ms": 0},
+}
+# Rounds run first and thrown away: the first benchmark() of a process arms the timer (CUPTI's
+# set-up) and the first rounds of a workload pay allocations, autotuning and clock ramp-up; kept,
+# they read as a defence's cost of +200% or -40% (the H200, 2026-11-30 08:32).
+DEFENCES_COST_DISCARDED_ROUNDS = 2
+
+
 def defences_cost(workloads: list[str], rounds: int) -> dict[str, Any]:
-    """Total wall time of benchmark() with and without the integrity defences, alternating in one
-    process (each round runs both, in turns), and the medians each reported."""
+    """What the integrity defences cost benchmark(), per workload and config, measured two ways.
+
+    Timed inside: each report with the defences on gives the wall time its defence steps took
+    (``integrity_details["defences_ms"]``) and its whole wall time (``wall_ms``); the cost is the
+    median over the rounds of defences / (wall - defences), the share they add to a measurement.
+
+    On against off: the same calls with ``defences=False`` in turns within each round (the order
+    alternating), the cost being the median of each round's own wall-time ratio on/off. This one
+    carries benchmark()'s own variation (its adaptive clock warm-up and hold fit), and is reported
+    with its quartiles as a check on the first.
+
+    Both after :data:`DEFENCES_COST_DISCARDED_ROUNDS` rounds thrown away.
+    """
     results: dict[str, Any] = {}
     for name in workloads:
-        # Untimed, once each: the first benchmark() of a process arms the timer (CUPTI's set-up, a
-        # worker does it before the program) and the first of a workload pays its one-off costs.
-        benchmark_report(name, {"defences": True})
-        benchmark_report(name, {"defences": False})
-        walls: dict[bool, list[float]] = {True: [], False: []}
-        medians: dict[bool, list[float]] = {True: [], False: []}
-        for round_index in range(rounds):
-            order = (True, False) if round_index % 2 == 0 else (False, True)
-            for defences in order:
-                started = time.perf_counter()
-                report = benchmark_report(name, {"defences": defences})
-                walls[defences].append(time.perf_counter() - started)
-                medians[defences].append(float(report["latency_ms_median"]))
-        on, off = statistics.median(walls[True]), statistics.median(walls[False])
-        results[name] = {
-            "wall_s_on": on,
-            "wall_s_off": off,
-            "cost": on / off - 1.0,
-            "median_ms_on": statistics.median(medians[True]),
-            "median_ms_off": statistics.median(medians[False]),
-            "walls_s": {"on": walls[True], "off": walls[False]},
-        }
-        log(f"{name}: defences on {on:.3f} s, off {off:.3f} s, cost {on / off - 1:+.1%}")
+        for label, base_config in DEFENCES_COST_CONFIGS.items():
+            walls: dict[bool, list[float]] = {True: [], False: []}
+            medians: dict[bool, list[float]] = {True: [], False: []}
+            shares: list[float] = []
+            defences_ms: list[float] = []
+            for round_index in range(DEFENCES_COST_DISCARDED_ROUNDS + rounds):
+                order = (True, False) if round_index % 2 == 0 else (False, True)
+                for defences in order:
+                    started = time.perf_counter()
+                    report = benchmark_report(name, {**base_config, "defences": defences})
+                    if round_index >= DEFENCES_COST_DISCARDED_ROUNDS:
+                        walls[defences].append(time.perf_counter() - started)
+                        medians[defences].append(float(report["latency_ms_median"]))
+                        if defences:
+                            spent = float(report["integrity_details"]["defences_ms"]["total"])
+                            defences_ms.append(spent)
+                            shares.append(spent / max(1e-9, float(report["wall_ms"]) - spent))
+            ratios = sorted(on / off for on, off in zip(walls[True], walls[False]))
+            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+            row = {
+                "workload": name,
+                "config": label,
+                "rounds": rounds,
+                "wall_s_on": statistics.median(walls[True]),
+                "wall_s_off": statistics.median(walls[False]),
+                "cost": statistics.median(shares),
+                "defences_ms": statistics.median(defences_ms),
+                "cost_on_off": statistics.median(ratios) - 1.0,
+                "cost_q1": quartiles[0] - 1.0,
+                "cost_q3": quartiles[2] - 1.0,
+                "median_ms_on": statistics.median(medians[True]),
+                "median_ms_off": statistics.median(medians[False]),
+                "walls_s": {"on": walls[True], "off": walls[False]},
+            }
+            results[f"{name}/{label}"] = row
+            log(
+                f"{name} ({label}): defences on {row['wall_s_on']:.3f} s, off {row['wall_s_off']:.3f} s, "
+                f"defences {row['defences_ms']:.2f} ms, cost {row['cost']:+.2%} timed inside, "
+                f"{row['cost_on_off']:+.1%} on/off (quartiles {row['cost_q1']:+.1%} to {row['cost_q3']:+.1%})"
+            )
     return results
 
 
 def print_defences_cost(results: dict[str, Any]) -> None:
     header = (
-        f"{'workload':<20} {'total s on':>11} {'total s off':>12} {'cost':>7} {'median us on':>13} {'off':>9} {'ok':>4}"
+        f"{'workload':<20} {'config':<8} {'defences ms':>11} {'cost':>7} {'total s on':>11} {'total s off':>12} "
+        f"{'on/off':>7} {'quartiles':>17} {'median us on':>13} {'off':>9} {'ok':>4}"
     )
     print(header)
     print("-" * len(header))
-    for name, row in results.items():
+    for row in results.values():
         ok = "yes" if row["cost"] < DEFENCES_COST_LIMIT else "NO"
+        spread_text = f"{row['cost_q1']:+.1%}..{row['cost_q3']:+.1%}"
         print(
-            f"{name:<20} {row['wall_s_on']:>11.3f} {row['wall_s_off']:>12.3f} {row['cost']:>+7.1%} "
-            f"{fmt(row['median_ms_on']):>13} {fmt(row['median_ms_off']):>9} {ok:>4}"
+            f"{row['workload']:<20} {row['config']:<8} {row['defences_ms']:>11.2f} {row['cost']:>+7.2%} "
+            f"{row['wall_s_on']:>11.3f} {row['wall_s_off']:>12.3f} "
+            f"{row['cost_on_off']:>+7.1%} {spread_text:>17} {fmt(row['median_ms_on']):>13} "
+            f"{fmt(row['median_ms_off']):>9} {ok:>4}"
         )
+    print(
+        "(cost: the defence steps' wall time over the rest of benchmark()'s, timed inside each call, median; "
+        "on/off: median of each round's wall time on/off, with its quartiles;\n"
+        f" {DEFENCES_COST_DISCARDED_ROUNDS} rounds thrown away first; default = benchmark()'s defaults, "
+        f"fixed = {DEFENCES_COST_CONFIGS['fixed']})"
+    )
 
 
 # ----------------------------------------------------------------------------- via the service
@@ -555,11 +640,10 @@ def in_process(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
 
     rows: dict[str, dict[str, Any]] = {}
-    null_ms: float | None = None
+    null: dict[str, Any] | None = None
     if ncu is not None and COMPARE_WITH_KERNEL_DURATION & set(args.workloads):
         null = ncu_median(NULL_KERNEL, args.ncu_iters, ncu, workdir)
-        null_ms = (null or {}).get("median_ms")
-        log(f"ncu: a kernel that does nothing reads {null_ms} ms")
+        log(f"ncu: a kernel that does nothing reads {json.dumps(null)}")
     for name in args.workloads:
         log(f"{name}: benchmark() and CUDA events in this process")
         started = time.perf_counter()
@@ -576,8 +660,8 @@ def in_process(args: argparse.Namespace) -> int:
             row["ncu"] = rows[NCU_SAME_AS[name]]["ncu"]
         else:
             row["ncu"] = ncu_median(name, args.ncu_iters, ncu, workdir)
-        if row["ncu"] and null_ms and name in COMPARE_WITH_KERNEL_DURATION:
-            row["ncu"] = {**row["ncu"], "null_kernel_ms": null_ms, "own_ms": row["ncu"]["median_ms"] - null_ms}
+        if row["ncu"] and null and name in COMPARE_WITH_KERNEL_DURATION:
+            row["ncu"] = {**row["ncu"], "null_kernel": null}
         log(f"{name}: {json.dumps(row, default=str)}")
         rows[name] = row
         if args.json:  # after each workload, so a run cut short keeps what it measured

@@ -154,6 +154,32 @@ def test_summarize() -> None:
     assert stats["latency_ms_std"] == pytest.approx(4.0826, rel=1e-4)
 
 
+def test_median_of_samples_on_a_coarse_clock_is_interpolated_within_its_step() -> None:
+    # A 256K add on the H200: CUPTI's timestamps move in 32 ns steps, 40% of calls read 1.856 us
+    # and 60% 1.888; the plain median would be 1.888 here and 1.856 with the shares swapped.
+    samples = [0.001856] * 40 + [0.001888] * 60
+    stats = summarize(samples)
+    assert stats["clock_resolution_ns"] == 32
+    assert stats["latency_ms_median"] == pytest.approx(0.001872 + 0.000032 * (50 - 40) / 60)
+    swapped = summarize([0.001856] * 60 + [0.001888] * 40)["latency_ms_median"]
+    assert 0.001856 < swapped < stats["latency_ms_median"] < 0.001888
+    # A few samples off the grid (seen on the H200 through the service) do not hide it.
+    strays = summarize([0.001856] * 40 + [0.001888] * 55 + [0.001871, 0.001903, 0.001899])
+    assert strays["clock_resolution_ns"] == 32
+    assert 0.001872 < strays["latency_ms_median"] < 0.001888
+
+
+def test_median_of_samples_on_a_fine_clock_is_the_plain_median() -> None:
+    events = [0.047552000731, 0.047520000331, 0.047616001218]  # CUDA events: not whole nanoseconds
+    assert summarize(events)["clock_resolution_ns"] is None
+    assert summarize(events)["latency_ms_median"] == 0.047552000731
+    long_kernel = [0.043616, 0.043648, 0.043584] * 3  # 32 ns steps, but 0.07% of the median: left alone
+    assert summarize(long_kernel)["latency_ms_median"] == 0.043616
+    one_value = [0.001984] * 9 + [0.001990]  # one value on a grid says nothing of its step
+    assert summarize(one_value)["clock_resolution_ns"] is None
+    assert summarize(one_value)["latency_ms_median"] == 0.001984
+
+
 def test_summarize_one_sample_has_zero_std() -> None:
     assert summarize([0.5])["latency_ms_std"] == 0.0
 

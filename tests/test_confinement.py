@@ -8,13 +8,17 @@ runs, then drops every capability (kcoral.worker.confinement).
 from __future__ import annotations
 
 import asyncio
+import mmap
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kcoral import AsyncClient, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
-from kcoral.worker.confinement import DevEntry, capabilities_left, dev_entries_kept
+from kcoral.worker.confinement import DevEntry, capabilities_left, dev_entries_kept, holds_gpu_device
 from tests.conftest import RunningBroker, start_broker
 
 PROGRAM_TIMEOUT_S = 60
@@ -181,3 +185,29 @@ def test_a_reused_worker_serves_only_its_gpu_set_and_is_retired_for_another(tmp_
         by_worker.setdefault(result.worker["identity"], set()).update(result.gpu_ids)
     assert len(by_worker) <= 2 and all(len(gpus) == 1 for gpus in by_worker.values())
     assert pair[0].gpu_ids == [0, 1] and pair[0].worker["identity"] not in by_worker
+
+
+def test_a_process_holding_a_gpu_device_is_told_from_one_that_holds_none(tmp_path: Path) -> None:
+    # Stand-ins for /dev/nvidia0 (a real one cannot be opened without the driver): what counts is
+    # the path a descriptor or a mapping leads to.
+    node = tmp_path / "dev" / "nvidia0"
+    node.parent.mkdir()
+    node.write_bytes(b"\0" * mmap.PAGESIZE)
+    holder = "import sys, time; f = open(sys.argv[1], 'rb'); print('ready', flush=True); time.sleep(30)"
+    mapper = (
+        "import mmap, sys, time; f = open(sys.argv[1], 'rb');"
+        " m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); f.close();"
+        " print('ready', flush=True); time.sleep(30)"
+    )
+    idle = "import time; print('ready', flush=True); time.sleep(30)"
+    found = {}
+    for name, code in (("fd", holder), ("mapping", mapper), ("none", idle)):
+        process = subprocess.Popen([sys.executable, "-c", code, str(node)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+            found[name] = holds_gpu_device(process.pid)
+        finally:
+            process.kill()
+            process.wait()
+        assert holds_gpu_device(process.pid) is False  # gone: holds nothing
+    assert found == {"fd": True, "mapping": True, "none": False}

@@ -15,6 +15,7 @@ import pytest
 
 from kcoral.errors import ExecutionError
 from kcoral.timing import findings, inputs, timers, trust
+from kcoral.timing.calls import timed_calls
 from kcoral.timing.cupti import GAP_ID_OFFSET, HOLD_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, reserve_external_ids
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
@@ -26,7 +27,7 @@ from kcoral.timing.inputs import (
     check_outputs,
     plan_inputs,
 )
-from kcoral.timing.timers import cupti_reasons, own_records_missing, timed_calls
+from kcoral.timing.timers import cupti_reasons, own_records_missing
 from kcoral.timing.windows import CallWindow, attribute, role_of
 
 torch = pytest.importorskip("torch")
@@ -225,7 +226,7 @@ class FakeRunner:
         self.fn = fn
         self.next_index = 0
         self.torch = torch
-        self.trusted = SimpleNamespace(event=None, plain_torch=contextlib.nullcontext)
+        self.trusted = SimpleNamespace(event=None, plain_torch=contextlib.nullcontext, perf_counter=time.perf_counter)
 
     def next_inputs(self) -> tuple[int, tuple[Any, ...]]:
         self.next_index += 1

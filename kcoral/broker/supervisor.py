@@ -121,6 +121,8 @@ class Supervisor:
     slots: list[SlotSpec]
     on_exit: Callable[[WorkerExit], None]
     on_fork: Callable[[int, str], None] = lambda slot, worker: None
+    # A finished worker's processes are dead or hold no GPU device: its GPU lease may go back.
+    on_gpu_free: Callable[[str], None] = lambda worker: None
     states: dict[int, SlotState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
@@ -140,6 +142,11 @@ class Supervisor:
         if state is not None and state.worker is not None and state.kill_asked is None:
             state.kill_asked = (state.worker, time.monotonic())
         self._command(slot, {"cmd": "kill"})
+
+    def program_started(self, slot: int) -> None:
+        """The slot's worker has a program: its successor may be forked now, off the path from that
+        program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
+        self._command(slot, {"cmd": "busy"})
 
     def prepare_next_worker(self, slot: int) -> None:
         """The slot's worker sent its last result: fork its successor now, while it exits. The
@@ -296,6 +303,8 @@ class Supervisor:
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
+        elif kind == "gpu_free" and state.worker == str(event.get("worker")):
+            self.on_gpu_free(str(event.get("worker")))
         elif kind == "spare_discarded":
             log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
         elif kind == "exited":

@@ -193,6 +193,13 @@ class WorkerMessages:
         self.port.finish(request, protocol.final_body(request.id, result), data)
         self.port.dispatch()
 
+    def on_gpu_free(self, worker: str) -> None:
+        """The zygote killed a finished worker that had no GPU device open or mapped (nor had
+        anything it started): it can run no more work on the GPU, whose lease goes back now."""
+        holder = self.held_leases.pop(worker.encode(), None)
+        if holder is not None:
+            self.leases.reclaim(holder)
+
     def on_exit(self, exit: WorkerExit) -> None:
         holder = self.held_leases.pop(exit.worker.encode(), None)
         if holder is not None:

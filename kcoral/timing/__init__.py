@@ -9,8 +9,9 @@ machinery, one role per module:
 - ``timing.windows``: which GPU work belongs to which timed call, by time window (pure).
 - ``timing.inputs``: each call's inputs (factory, rotated clones) and the sample of outputs checked.
 - ``timing.nvml``: the SM clock, clock-event ("throttle") reasons, and which processes use the GPU.
-- ``timing.timers``: the runner (inputs, L2 flush, launch hold, call, synchronisation), the timed
-  loop and the two timers (CUPTI, CUDA events) that turn it into latencies.
+- ``timing.calls``: the runner (inputs, L2 flush, launch hold, call, synchronisation) and the timed
+  loop.
+- ``timing.timers``: the two timers (CUPTI, CUDA events) that turn the timed loop into latencies.
 - ``timing.findings``: the report's ``integrity`` section (verdict and reasons).
 - ``timing.stats``: pure arithmetic on latencies and counts.
 - ``timing.benchmark``: ``benchmark`` itself, which puts these together.

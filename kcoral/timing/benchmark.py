@@ -2,20 +2,22 @@
 
 The steps, and which module holds each: the config (``timing.config``); the trusted state armed
 before uploaded code ran (``timing.trust``); the inputs of each call and the sample of outputs
-checked (``timing.inputs``); the runner, the timed loop and the two timers (``timing.timers``);
+checked (``timing.inputs``); the runner and the timed loop (``timing.calls``); the two timers (``timing.timers``);
 attribution of GPU work to calls by time window (``timing.windows``); the clock (``timing.nvml``);
 the ``integrity`` section (``timing.findings``). ``kcoral.builtins`` re-exports ``benchmark``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
+from kcoral.timing.calls import Runner
 from kcoral.timing.config import ESTIMATE_CALLS, BenchmarkConfig, split_config
 from kcoral.timing.cupti import CuptiUnavailable
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
@@ -49,12 +51,39 @@ from kcoral.timing.timers import (
     CuptiTimer,
     EventTimer,
     Measurement,
-    Runner,
     initial_hold_us,
 )
 from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, ensure_tracer, verify
 
 DEFENCES_OFF_REASON: Final = "the integrity defences were turned off (config defences=False)"
+
+
+@dataclass
+class DefenceTime:
+    """The wall time benchmark() spends in its defences, by step, on the trusted clock.
+
+    Reported in ``integrity_details["defences_ms"]`` beside the report's ``wall_ms``: what the
+    defences cost each measurement, timed where it is spent. Timing benchmark() with the defences
+    on and off instead measured noise: its wall time moves by 30% from one call to the next on the
+    H200 (the clock warm-up and the hold fit adapt), ten times what the defences take.
+    """
+
+    clock: Callable[[], float]
+    steps_ms: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self.add(name, (self.clock() - began) * 1e3)
+
+    def add(self, name: str, ms: float) -> None:
+        self.steps_ms[name] = self.steps_ms.get(name, 0.0) + ms
+
+    def report(self) -> dict[str, float]:
+        return {"total": round(sum(self.steps_ms.values()), 3), **{k: round(v, 3) for k, v in self.steps_ms.items()}}
 
 
 @dataclass
@@ -222,20 +251,28 @@ def measure(
     """``benchmark``, returning the kept outputs beside the report (for a harness in another process)."""
     call_args, settings = split_config(args, config)
     state = armed()
+    began = state.trusted.perf_counter()
+    spent = DefenceTime(state.trusted.perf_counter)
     torch = _import_torch_with_gpu(state)
     defences = settings.defences
     if defences:
-        _fail_on_changes(state, "since the worker started (before the measurement)")
+        with spent.step("trusted_state"):
+            _fail_on_changes(state, "since the worker started (before the measurement)")
     timer, cupti_error = _choose_timer(settings.method, state)
     if defences and isinstance(timer, CuptiTimer) and state.tracer is not None:
-        subscriber = state.tracer.foreign_subscriber()
+        with spent.step("trusted_state"):
+            subscriber = state.tracer.foreign_subscriber()
         if subscriber is not None:
             raise ExecutionError(
                 "integrity", f"a CUPTI callback subscription is held by someone other than the timer: {subscriber}"
             )
-    plan = plan_inputs(torch, call_args, inputs) if defences else InputPlan(MODE_SAME, [call_args], inputs)
+    if defences:
+        with spent.step("inputs"):
+            plan = plan_inputs(torch, call_args, inputs)
+    else:
+        plan = InputPlan(MODE_SAME, [call_args], inputs)
     try:
-        run = _run(fn, torch, state, settings, timer, plan, check if defences else None, keep_outputs)
+        run = _run(fn, torch, state, settings, timer, plan, check if defences else None, keep_outputs, spent)
     except ExecutionError:
         raise
     except Exception as exc:
@@ -245,6 +282,8 @@ def measure(
             ) from exc
         raise
     run.report["cupti_error"] = cupti_error
+    run.report["wall_ms"] = round((state.trusted.perf_counter() - began) * 1e3, 3)
+    run.report["integrity_details"]["defences_ms"] = spent.report()
     if not defences:
         run.report["integrity"] = verdict([DEFENCES_OFF_REASON, *run.report["integrity"]["reasons"]])
     return run
@@ -259,6 +298,7 @@ def _run(
     plan: InputPlan,
     check: OutputCheck | None,
     keep_outputs: int,
+    spent: DefenceTime,
 ) -> BenchmarkRun:
     trusted = state.trusted
     defences = settings.defences
@@ -269,12 +309,14 @@ def _run(
     # The first call pays one-off costs (compilation, autotuning, handles); keep it out of the probe.
     # It also tells whether the call writes its inputs (then its outputs are not checked).
     _, first_inputs = runner.next_inputs()
-    before_call = versions(torch, first_inputs)
+    with spent.step("inputs"):
+        before_call = versions(torch, first_inputs)
     tick = trusted.perf_counter()
     runner.call(first_inputs)
     launch_ms = [(trusted.perf_counter() - tick) * 1e3]
     runner.synchronize()
-    writes_inputs = versions(torch, first_inputs) != before_call
+    with spent.step("inputs"):
+        writes_inputs = versions(torch, first_inputs) != before_call
     check_again = defences and plan.mode == MODE_ROTATED and check is None and not writes_inputs
     if writes_inputs and plan.mode == MODE_ROTATED:
         plan.note = "the call writes its inputs: outputs not checked"
@@ -316,11 +358,11 @@ def _run(
     checking = defences and (check is not None or check_again or keep_outputs_always(plan))
     reservoir = OutputReservoir(keep_outputs if checking else 0, trusted.randbelow)
     before = clock_state(nvml)
-    watch = (
-        EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, int(time.time() * 1e6))
-        if defences
-        else None
-    )
+    watch = None
+    if defences:
+        with spent.step("environment"):
+            now_us = int(time.time() * 1e6)
+            watch = EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, now_us)
     hold_ns = int(hold_us * 1e3) if hold_cycles else 0
     unheld = hold_state.startswith(UNHELD_STATE)
     if defences:
@@ -331,11 +373,15 @@ def _run(
     else:
         measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, busy=unheld)
     reasons = list(measurement.reasons)
+    spent.add("outputs", reservoir.snapshot_ms)
     if watch is not None:
-        reasons.extend(watch.finish())
+        with spent.step("environment"):
+            reasons.extend(watch.finish())
     if defences:
-        _fail_on_changes(state, "during the measurement")
-        if runner.flush_state() != runner.flush_shape:
+        with spent.step("trusted_state"):
+            _fail_on_changes(state, "during the measurement")
+            flush_changed = runner.flush_state() != runner.flush_shape
+        if flush_changed:
             raise ExecutionError("integrity", "the timer's L2 flush buffer was changed during the measurement")
         if measurement.tampering:
             raise ExecutionError("integrity", describe_changes(measurement.tampering))
@@ -349,13 +395,14 @@ def _run(
             with trusted.plain_torch():
                 return snapshot(torch, output)
 
-        outputs_checked = check_outputs(
-            torch,
-            measurement.kept,
-            check=check,
-            expected=again if check is None else None,
-            assert_close=torch.testing.assert_close,
-        )
+        with spent.step("outputs"):
+            outputs_checked = check_outputs(
+                torch,
+                measurement.kept,
+                check=check,
+                expected=again if check is None else None,
+                assert_close=torch.testing.assert_close,
+            )
 
     result: dict[str, Any] = summarize(measurement.samples_ms)
     host = _host_summary(measurement)

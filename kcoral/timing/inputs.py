@@ -169,6 +169,7 @@ class OutputReservoir:
     randbelow: Callable[[int], int]
     kept: list[KeptOutput] = field(default_factory=list)
     seen: int = 0
+    snapshot_ms: float = 0.0  # wall time spent snapshotting the kept outputs (a defence's cost)
 
     def slot_for_next(self) -> int | None:
         """Where the next call's output goes (None: not kept). Decided after the call returned."""

@@ -1,7 +1,8 @@
 """The timer's trusted state: captured before uploaded code runs, checked around every measurement.
 
-A worker calls :func:`arm` when it starts, before it executes any program, so that what the timer
-relies on is taken from a process that no candidate has touched yet:
+A zygote calls :func:`arm` once, before it forks any worker, and each worker inherits the armed
+state and marks its program's start (:func:`arm_in_worker`), so that what the timer relies on is
+taken from a process that no candidate has touched:
 
 - whether CUPTI works here: outside a worker, cupti-python imports, the activity callbacks register
   and its clock reads; in a worker, cupti-python's module is taken (the zygote imported it) and the
@@ -52,6 +53,7 @@ WATCHED_MODULES: Final = (
     "kcoral.timing.trust",
     "kcoral.timing.findings",
     "kcoral.timing.inputs",
+    "kcoral.timing.calls",
     "kcoral.timing.timers",
     "kcoral.timing.benchmark",
     "kcoral.builtins",
@@ -349,13 +351,37 @@ def arm(*, in_worker: bool = False, use_cupti: bool = True) -> ArmedState:
         return _ARMED
 
 
-def arm_in_worker() -> None:
-    """:func:`arm` for a worker about to run a program; a failure is printed, never raised (the
-    program then meets it in ``benchmark``)."""
+def arm_in_zygote() -> None:
+    """:func:`arm` once in a zygote, before it forks any worker; a failure is printed, never raised.
+
+    Every worker inherits the armed state by the fork: the same objects at the same addresses, so
+    the snapshot's fingerprints hold in the worker as taken, from a process that has run no
+    uploaded code (a spare worker beside a running program can neither read nor write the zygote
+    or itself: neither is dumpable). Taken in each worker instead, the snapshot cost every GPU
+    program 2 ms of walking and 4 to 7 ms of CPU in all on the 2-core VM, with the copy-on-write
+    faults of the pages it touches (``benchmarks/spawn.py --checkout``, see RESULTS.md).
+    """
     try:
         arm(in_worker=True)
     except Exception as exc:
+        print(f"kcoral zygote: the timer could not be armed: {exc!r}", file=sys.stderr, flush=True)
+
+
+def arm_in_worker() -> None:
+    """Mark the start of a program in a worker, before any of its code runs; a failure is
+    printed, never raised (the program then meets it in ``benchmark``).
+
+    Arms where the zygote did not (a worker started on its own), and in any case counts the
+    threads alive now (the worker's own: its output follower) as not the program's, and the
+    program's start as the armed time.
+    """
+    try:
+        state = arm(in_worker=True)
+    except Exception as exc:
         print(f"kcoral worker: the timer could not be armed: {exc!r}", file=sys.stderr, flush=True)
+        return
+    state.threads_at_arm = frozenset(threading.enumerate())
+    state.armed_at = time.time()
 
 
 def armed() -> ArmedState:

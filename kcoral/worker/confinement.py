@@ -60,6 +60,7 @@ __all__ = [
     "confined_to",
     "confinement_ms",
     "dev_entries_kept",
+    "holds_gpu_device",
     "prepare",
     "visible_devices",
 ]
@@ -351,3 +352,44 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     if result != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mount {source or ''} on {target}: {os.strerror(errno)}", target)
+
+
+# The NVIDIA driver's character devices (/dev/nvidia0.., /dev/nvidiactl); nvidia-uvm's major is
+# given out at load time, so that one is known by its path.
+NVIDIA_MAJOR: Final = 195
+NVIDIA_PATH: Final = "/dev/nvidia"
+
+
+def holds_gpu_device(pid: int) -> bool | None:
+    """Whether a process has an NVIDIA device open or mapped: True, False, or None where its
+    descriptors or mappings cannot be read (taken as holding one by the caller).
+
+    A CUDA context lives on such descriptors and mappings: a process with neither has no context
+    and, once killed, can never make one (it would need system calls after the kill). A process
+    already gone (or a zombie: its descriptors and memory are released first) holds none.
+    """
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    for name in names:
+        try:
+            if NVIDIA_PATH in os.readlink(f"{fd_dir}/{name}"):
+                return True
+            status = os.stat(f"{fd_dir}/{name}")
+        except FileNotFoundError:
+            continue  # closed meanwhile
+        except OSError:
+            return None
+        if stat.S_ISCHR(status.st_mode) and os.major(status.st_rdev) == NVIDIA_MAJOR:
+            return True
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as maps:
+            return NVIDIA_PATH.encode() in maps.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None

@@ -55,6 +55,9 @@ class WorkerSettings:
     gpu: int | None
     workspace: Path
     max_programs: int = 1  # 0: reuse until retired
+    # A pipe from the zygote: the worker says READY only once it is readable (see Zygote). None:
+    # at once (a worker started on its own).
+    go_fd: int | None = None
 
 
 @dataclass
@@ -126,10 +129,9 @@ def execute_program(
         # The output follower's thread starts before the timer is armed: benchmark() counts the
         # threads started after arming as the program's, and this one is the worker's own.
         with follower:
-            if gpu_ids and refusal is None:
-                # Before any uploaded code runs, and after CUDA_VISIBLE_DEVICES is set (CUPTI may
-                # initialise the driver): what benchmark() trusts (see kcoral.timing.trust).
-                arm_timer()
+            # Before any uploaded code runs: the zygote armed the timer (see kcoral.timing.trust);
+            # the threads alive now are the worker's own, not the program's.
+            arm_timer()
             with capture:
                 error = interpreter.execute() if refusal is None else protocol.error_map("unavailable", refusal)
         # Before reading the output: what the program left running may still be writing to it.
@@ -192,6 +194,14 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
     socket.setsockopt(zmq.LINGER, 10_000)  # results must reach the broker before exit
     socket.connect(settings.connect)
+    if settings.go_fd is not None:
+        # A spare waits here, connected, while the program before it runs. EOF: the zygote is gone.
+        announced = _wait_for_go(settings.go_fd)
+        os.close(settings.go_fd)
+        if not announced:
+            socket.close(linger=0)
+            context.term()
+            return 0
     ready = protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
     socket.send_multipart(ready)
     ready_at = time.time()
@@ -259,6 +269,14 @@ def run_worker(settings: WorkerSettings) -> int:
     finally:
         socket.close()
         context.term()
+
+
+def _wait_for_go(fd: int) -> bool:
+    while True:
+        try:
+            return bool(os.read(fd, 1))
+        except InterruptedError:
+            continue
 
 
 def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:

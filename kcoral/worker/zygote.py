@@ -2,33 +2,31 @@
 
 ``import torch`` costs seconds on a GPU host; ``os.fork()`` of a process that already imported it
 costs milliseconds. The zygote never initialises CUDA, opens no zmq context and starts no threads,
-so each forked worker begins clean and makes its own.
+so each forked worker begins clean and makes its own (see :mod:`kcoral.worker.children`).
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
-commands on stdin (``{"cmd": "kill"}``: kill the current worker and all it started;
-``{"cmd": "stop"}``), events on stdout (``ready``, ``forked``, ``exited``, and ``alive`` once a
-second, by which the supervisor knows that the zygote still watches). An ``exited`` event carries
-the worker's ``returncode`` or ``signal``, ``leftovers_killed`` (processes still alive when it
-ended), ``reason`` (why the zygote killed it: a broken limit, say) and ``instruction_index`` (the
-instruction it was executing, read from a page shared with it: a worker that dies at once takes
-its unsent progress messages with it).
+commands on stdin (``kill`` the current worker and all it started, ``busy``, ``spare``, ``stop``),
+events on stdout (``ready``, ``forked``, ``gpu_free``, ``exited``, and ``alive`` once a second, by
+which the supervisor knows that the zygote still watches). An ``exited`` event carries the
+worker's ``returncode`` or ``signal``, ``leftovers_killed``, ``reason`` (why the zygote killed it: a
+broken limit, say) and ``instruction_index`` (read from a page shared with the worker: one that
+dies at once takes its unsent progress messages with it).
 
 The zygote is the trusted side of the slot: the program in a worker can neither write to it nor
-speak for it. A worker closes every descriptor it inherits but its standard streams (which it
-points away from the zygote's) before any program runs, so the zygote's event pipe, command pipe
-and epoll set are out of reach; the zygote is not dumpable, so its memory is too. What the zygote
-reports comes from the kernel: a worker's exit from its pidfd and ``waitpid``, its processes from
-the process table. It forks the next worker only when the previous one has exited, everything
-the program started is dead and the workspace is wiped, so no program ever shares a slot with the
-one before it. It says ``exited`` only once all of that program's processes are dead, and the
-broker gives the GPU lease back only then.
+speak for it. A worker closes every inherited descriptor but its standard streams (pointed away
+from the zygote's) and its go pipe before any program runs; the zygote is not dumpable. What the
+zygote reports comes from the kernel: a worker's exit from its pidfd and ``waitpid``, its
+processes from the process table. The next worker is forked ahead but announced only once the
+previous one has exited, everything the program started is dead and the workspace is wiped, so no
+program ever shares a slot with the one before it. The GPU lease goes back at ``exited``, or at
+``gpu_free`` where the finished worker and all it started were killed holding no GPU device.
 
 Nothing a worker starts outlives it: the zygote is a child subreaper, so whatever a worker leaves
 behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, and a child made
-with ``clone(CLONE_PARENT)`` is the zygote's own child from the start. As one worker runs at a
-time, every process below the zygote belongs to the program that runs now: the watchdog counts
-and measures all of them against the process and memory limits (see :mod:`kcoral.worker.processes`
-for why those two are not rlimits alone), and kills all of them when the worker ends.
+with ``clone(CLONE_PARENT)`` is the zygote's own child from the start. Every process below the
+zygote but the spare belongs to the program that runs now: the watchdog counts and measures all of
+them against the process and memory limits (see :mod:`kcoral.worker.processes` for why those two
+are not rlimits alone), and kills all of them when the worker ends.
 """
 
 from __future__ import annotations
@@ -45,15 +43,23 @@ import selectors
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, processes, workspace
-from kcoral.worker.state import reseed_generators
+from kcoral.worker.children import (
+    PARENT_DEATH_SIGNAL,
+    Child,
+    SpareState,
+    become_worker,
+    close_go,
+    close_inherited_descriptors,
+    eager_cuda_wanted,
+    let_go,
+)
 
-EXIT_WORKER_CRASHED = 70
 FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
@@ -71,10 +77,6 @@ WORKSPACE_SAMPLE_FACTOR = 20
 # one program can take; more fails like the byte quota.
 MAX_WORKSPACE_ENTRIES = 100_000
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
-EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
-NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
-PARENT_DEATH_SIGNAL = signal.SIGUSR2
-FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: closed
 READ_CHUNK_BYTES = 65536
 
 
@@ -104,94 +106,22 @@ def emit(event: str, **fields: Any) -> None:
     os.write(1, (json.dumps({"event": event, **fields}) + "\n").encode())
 
 
-def close_inherited_descriptors() -> None:
-    """Close every descriptor above the standard streams.
-
-    In the zygote: what its starter left open by mistake (the broker's event loop hands each
-    child copies of its pipe ends). In a new worker: the zygote's epoll set, pidfds and any copy
-    of its event and command pipes, none of which a program may touch (a program that could add a
-    descriptor to the zygote's epoll set, or write an event line, would blind or fool it).
-    """
-    os.closerange(FIRST_INHERITED_FD, os.sysconf("SC_OPEN_MAX"))
-
-
-def become_worker(settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard) -> None:
-    """In the forked child: set the process up and run the worker loop; never returns."""
-    code = EXIT_WORKER_CRASHED
-    try:
-        close_inherited_descriptors()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)  # not the zygote's command pipe
-        os.close(devnull)
-        os.dup2(2, 1)  # not the zygote's event pipe: stray output before capture goes to the log
-        processes.BOARD = board
-        # Not dumpable, like the zygote, until it gets a program (see run_worker): a spare forked
-        # while the previous program still runs can be neither read nor written by that program.
-        os.setsid()  # its own session and group: one killpg reaches what it starts
-        processes.set_parent_death_signal(signal.SIGKILL)
-        if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
-            os._exit(code)
-        processes.set_process_name("kcoral-worker")
-        processes.set_child_subreaper()  # a program's orphans come back to the worker, to be found
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, PARENT_DEATH_SIGNAL):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
-        # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
-        # with EFBIG, which the program's result reports, instead of killing the worker.
-        confinement.configure(settings.gpu_nodes)
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
-        if settings.gpu is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
-        if settings.eager_cuda:
-            os.environ[EAGER_CUDA_ENV] = "1"
-        else:
-            os.environ.pop(EAGER_CUDA_ENV, None)
-        # Fresh seeds: a forked worker would otherwise draw the same "random" numbers as every
-        # other worker of its slot, all having inherited the zygote's generator states.
-        reseed_generators()
-        processes.apply_rlimits(settings.limits)
-        from kcoral.worker.worker import WorkerSettings, run_worker
-
-        code = run_worker(
-            WorkerSettings(
-                connect=settings.connect,
-                identity=identity,
-                slot=settings.slot,
-                gpu=settings.gpu,
-                workspace=settings.workspace,
-                max_programs=settings.max_programs,
-            )
-        )
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
-
-
-@dataclass
-class Child:
-    """A worker the zygote forked, and the descriptor its exit is seen through."""
-
-    pid: int
-    identity: str
-    pidfd: int | None  # readable when it has ended
-    started: float
-    board: processes.ProgressBoard  # its own: another worker's program cannot write it
-    kill_reason: str = ""  # why we killed it, when we did
-    kill_requested: bool = False  # the broker asked for the kill
-    done_at: float | None = None  # when the broker said it had its last result: now it only exits
-
-
 class Zygote:
     """Forks workers for one slot and reports their exits; one worker serves at a time.
 
-    The ``current`` worker is the one the broker knows (announced with ``forked``). When the broker
-    has its last result (command ``spare``) the next worker is forked at once, while the current
-    one is still exiting (a process with a CUDA context takes a hundred milliseconds or more), but
-    it stays a ``spare``: unannounced, so the broker gives it nothing. Only once the current worker
-    has exited, everything it started is dead and the workspace is wiped is the spare checked
-    (see :meth:`fit_to_serve`) and announced. A worker that does not exit within
-    RETIRE_GRACE_SECONDS of its last result is killed.
+    The ``current`` worker is the one the broker knows (announced with ``forked``). The next one is
+    forked ahead as a ``spare`` as soon as the current one is announced (again at command ``busy``,
+    the current one has a program, where that spare was lost), or, where workers make their CUDA
+    context while idle (which would load the GPU under the running program), when the broker has
+    its last result (command ``spare``). A spare is unannounced and says nothing to the broker
+    until the zygote writes to its go pipe, so the broker gives it nothing. Only once the current
+    worker has exited, everything it started is dead and the workspace is wiped is the spare
+    checked (see :meth:`fit_to_serve`) and announced.
+
+    Forked at the last result instead, the spare's fork (a few milliseconds for a process with
+    torch mapped) stood between the worker's exit and the zygote seeing it, and so between a
+    program's end and its GPU's next holder; forked when the program came, it still did for short
+    programs. A worker that does not exit within RETIRE_GRACE_SECONDS of its last result is killed.
     """
 
     def __init__(self, settings: ZygoteSettings) -> None:
@@ -229,6 +159,7 @@ class Zygote:
                 importlib.import_module(name)
             except Exception:  # ImportError, or a missing libcupti raised inside the import
                 continue
+        arm_in_zygote()  # once, for every worker (see kcoral.timing.trust.arm_in_zygote)
         # Move everything imported so far out of the collector's sight: a worker's garbage
         # collections then leave these pages alone, and they stay shared with the zygote.
         gc.collect()
@@ -290,9 +221,11 @@ class Zygote:
         sys.stdout.flush()
         sys.stderr.flush()
         zygote_pid = os.getpid()
+        go_read, go_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity, zygote_pid, board)
+            become_worker(self.settings, identity, zygote_pid, board, go_read)
+        os.close(go_read)
         try:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -301,7 +234,7 @@ class Zygote:
         for which, value in processes.rlimit_values(self.settings.limits).items():
             with contextlib.suppress(OSError):
                 resource.prlimit(pid, which, value)
-        child = Child(pid, identity, pidfd, time.monotonic(), board)
+        child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write)
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, child)
         return child
@@ -315,8 +248,17 @@ class Zygote:
             spare = None
         child = spare if spare is not None else self.fork_worker()
         self.current = child
+        let_go(child)
         self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
         emit("forked", worker=child.identity, pid=child.pid)
+        self.fork_spare_ahead()
+
+    def fork_spare_ahead(self) -> None:
+        """Fork the next worker now, while the current one waits for or runs its program: then no
+        fork is under way when the current one exits (see the class's docstring). Not where workers
+        make a CUDA context while idle: a spare's would load the GPU under the running program."""
+        if self.spare is None and self.current is not None and not self.stopping and not self.settings.eager_cuda:
+            self.spare = self.fork_worker()
 
     def fit_to_serve(self, spare: Child) -> bool:
         """Whether the spare is as forked: the program that ran beside it (the same user) could
@@ -332,6 +274,7 @@ class Zygote:
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
         _kill_group(child.pid)
+        close_go(child)
         if child.pidfd is not None:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
@@ -379,6 +322,7 @@ class Zygote:
             self.selector.unregister(child.pidfd)
             os.close(child.pidfd)
             child.pidfd = None
+        close_go(child)
         if child is self.spare:
             self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
             return
@@ -454,6 +398,23 @@ class Zygote:
             (info for info in map(processes.read_process, tree) if info is not None), spare_groups=spared
         )
 
+    def end_without_gpu(self, child: Child) -> None:
+        """The broker has the worker's last result: kill it and all it started now, and where none
+        of them has a GPU device open or mapped, say ``gpu_free`` so that the GPU lease goes back
+        before the exit is through.
+
+        A process's exit releases its memory before the kernel reports it: 2 to 7 ms for a process
+        with torch mapped, which, with the lease held until the exit, took fresh workers with 8 in
+        flight from 623 to 290 a second on the two-GPU H200 (a program that never touches its GPU).
+        A worker with a CUDA context still holds the lease until it has exited: its context goes
+        only then. Processes that cannot be read count as holding a GPU.
+        """
+        child.kill_requested = True
+        self.kill(child, "")
+        tree = [child.pid, *processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())]
+        if not any(confinement.holds_gpu_device(pid) is not False for pid in tree):
+            emit("gpu_free", worker=child.identity)
+
     def read_commands(self) -> None:
         try:
             chunk = os.read(0, READ_CHUNK_BYTES)
@@ -474,9 +435,12 @@ class Zygote:
             if what == "kill" and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
+            elif what == "busy":
+                self.fork_spare_ahead()  # where the one forked ahead was lost (killed, say)
             elif what == "spare" and self.current is not None and not self.stopping:
                 if self.current.done_at is None:
                     self.current.done_at = time.monotonic()
+                    self.end_without_gpu(self.current)
                 if self.spare is None:
                     self.spare = self.fork_worker()
             elif what == "stop":
@@ -494,54 +458,12 @@ class Zygote:
         self.stop("the broker went away")
 
 
-@dataclass(frozen=True)
-class SpareState:
-    """What another process of the same user can change in a worker and the worker cannot undo."""
-
-    priority: int
-    policy: int
-    cpus: frozenset[int]
-    rlimits: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def of(cls, pid: int) -> SpareState | None:
-        try:
-            return cls(
-                os.getpriority(os.PRIO_PROCESS, pid),
-                os.sched_getscheduler(pid),
-                frozenset(os.sched_getaffinity(pid)),
-                tuple(resource.prlimit(pid, which) for which in processes.RLIMITS.values()),
-            )
-        except OSError:
-            return None
-
-    @classmethod
-    def of_this_process(cls, limits: dict[str, int]) -> SpareState:
-        """What a new worker has: this process's scheduling, the rlimits apply_rlimits sets."""
-        return cls(
-            os.getpriority(os.PRIO_PROCESS, 0),
-            os.sched_getscheduler(0),
-            frozenset(os.sched_getaffinity(0)),
-            tuple(processes.rlimit_values(limits).values()),
-        )
-
-
 def _kill_group(pid: int) -> None:
     for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
         try:
             target()
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def eager_cuda_wanted(gpu: int | None, environ: dict[str, str] | os._Environ[str]) -> bool:
-    """Whether this slot's workers should create their CUDA context while idle.
-
-    Only for a slot with a real GPU, and only when ``KCORAL_EAGER_CUDA=1`` is in the zygote's
-    environment: a worker with a context can run programs on its own GPU alone (see
-    ``kcoral.worker.worker``), so hosts that serve programs on several GPUs leave it off.
-    """
-    return gpu is not None and environ.get(EAGER_CUDA_ENV) == "1" and NVIDIA_CONTROL_DEVICE.exists()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,179 @@
+"""The zygote's children: how a forked child becomes a worker, and what the zygote keeps of each.
+
+:func:`become_worker` runs in the child right after the fork: it closes every descriptor it
+inherited but the read end of its go pipe, takes a session of its own, dies with the zygote,
+resets signals, confines nothing yet (that comes with the program) and sets its limits and seeds,
+then runs the worker loop. The go pipe is how the zygote announces it (:func:`let_go`): a spare
+forked ahead of its turn says READY to the broker only then. :class:`SpareState` is what another
+process of the same user could change in a spare and the spare could not undo; the zygote
+compares it before it lets a spare serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kcoral.worker import confinement, processes
+from kcoral.worker.state import reseed_generators
+
+if TYPE_CHECKING:
+    from kcoral.worker.zygote import ZygoteSettings
+
+EXIT_WORKER_CRASHED = 70
+EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
+NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
+FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: closed
+
+
+@dataclass
+class Child:
+    """A worker the zygote forked, and the descriptor its exit is seen through."""
+
+    pid: int
+    identity: str
+    pidfd: int | None  # readable when it has ended
+    started: float
+    board: processes.ProgressBoard  # its own: another worker's program cannot write it
+    kill_reason: str = ""  # why we killed it, when we did
+    kill_requested: bool = False  # the broker asked for the kill
+    done_at: float | None = None  # when the broker said it had its last result: now it only exits
+    # The write end of its go pipe, until the zygote announces it: only then does it say READY.
+    go: int | None = None
+
+
+def let_go(child: Child) -> None:
+    """Announce ``child`` to itself: it says READY to the broker now."""
+    if child.go is not None:
+        with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported as any other
+            os.write(child.go, b"g")
+    close_go(child)
+
+
+def close_go(child: Child) -> None:
+    if child.go is not None:
+        os.close(child.go)
+        child.go = None
+
+
+def close_inherited_descriptors(keep: int | None = None) -> None:
+    """Close every descriptor above the standard streams (but ``keep``, moved to the first of them).
+
+    In the zygote: what its starter left open by mistake (the broker's event loop hands each
+    child copies of its pipe ends). In a new worker: the zygote's epoll set, pidfds and any copy
+    of its event and command pipes, none of which a program may touch (a program that could add a
+    descriptor to the zygote's epoll set, or write an event line, would blind or fool it).
+    """
+    first = FIRST_INHERITED_FD
+    if keep is not None:
+        os.dup2(keep, FIRST_INHERITED_FD, inheritable=False)
+        first += 1
+    os.closerange(first, os.sysconf("SC_OPEN_MAX"))
+
+
+def become_worker(
+    settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard, go: int
+) -> None:
+    """In the forked child: set the process up and run the worker loop; never returns.
+
+    ``go`` is the read end of the pipe on which the zygote announces it (see Zygote); the worker
+    closes it before any program runs."""
+    code = EXIT_WORKER_CRASHED
+    try:
+        close_inherited_descriptors(keep=go)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # not the zygote's command pipe
+        os.close(devnull)
+        os.dup2(2, 1)  # not the zygote's event pipe: stray output before capture goes to the log
+        processes.BOARD = board
+        # Not dumpable, like the zygote, until it gets a program (see run_worker): a spare forked
+        # while the previous program still runs can be neither read nor written by that program.
+        os.setsid()  # its own session and group: one killpg reaches what it starts
+        processes.set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
+            os._exit(code)
+        processes.set_process_name("kcoral-worker")
+        processes.set_child_subreaper()  # a program's orphans come back to the worker, to be found
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, PARENT_DEATH_SIGNAL):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
+        # SIGXFSZ stays ignored, as Python sets it: a write past the file size limit then fails
+        # with EFBIG, which the program's result reports, instead of killing the worker.
+        confinement.configure(settings.gpu_nodes)
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
+        if settings.gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
+        if settings.eager_cuda:
+            os.environ[EAGER_CUDA_ENV] = "1"
+        else:
+            os.environ.pop(EAGER_CUDA_ENV, None)
+        # Fresh seeds: a forked worker would otherwise draw the same "random" numbers as every
+        # other worker of its slot, all having inherited the zygote's generator states.
+        reseed_generators()
+        processes.apply_rlimits(settings.limits)
+        from kcoral.worker.worker import WorkerSettings, run_worker
+
+        code = run_worker(
+            WorkerSettings(
+                connect=settings.connect,
+                identity=identity,
+                slot=settings.slot,
+                gpu=settings.gpu,
+                workspace=settings.workspace,
+                max_programs=settings.max_programs,
+                go_fd=FIRST_INHERITED_FD,
+            )
+        )
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+@dataclass(frozen=True)
+class SpareState:
+    """What another process of the same user can change in a worker and the worker cannot undo."""
+
+    priority: int
+    policy: int
+    cpus: frozenset[int]
+    rlimits: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, pid: int) -> SpareState | None:
+        try:
+            return cls(
+                os.getpriority(os.PRIO_PROCESS, pid),
+                os.sched_getscheduler(pid),
+                frozenset(os.sched_getaffinity(pid)),
+                tuple(resource.prlimit(pid, which) for which in processes.RLIMITS.values()),
+            )
+        except OSError:
+            return None
+
+    @classmethod
+    def of_this_process(cls, limits: dict[str, int]) -> SpareState:
+        """What a new worker has: this process's scheduling, the rlimits apply_rlimits sets."""
+        return cls(
+            os.getpriority(os.PRIO_PROCESS, 0),
+            os.sched_getscheduler(0),
+            frozenset(os.sched_getaffinity(0)),
+            tuple(processes.rlimit_values(limits).values()),
+        )
+
+
+def eager_cuda_wanted(gpu: int | None, environ: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether this slot's workers should create their CUDA context while idle.
+
+    Only for a slot with a real GPU, and only when ``KCORAL_EAGER_CUDA=1`` is in the zygote's
+    environment: a worker with a context can run programs on its own GPU alone (see
+    ``kcoral.worker.worker``), so hosts that serve programs on several GPUs leave it off.
+    """
+    return gpu is not None and environ.get(EAGER_CUDA_ENV) == "1" and NVIDIA_CONTROL_DEVICE.exists()
