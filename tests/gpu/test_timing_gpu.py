@@ -140,7 +140,15 @@ def test_cuda_event_method(add_operands: tuple[Any, Any, Any]) -> None:
 def test_cuda_events_only_where_cupti_never_worked(
     add_operands: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    never = dataclasses.replace(trust.armed(), tracer=None, cupti_error="cupti-python is not importable: simulated")
+    armed = trust.armed()
+    # As armed where CUPTI never imported: no tracer, and so none of its attributes in the snapshot.
+    never = dataclasses.replace(
+        armed,
+        tracer=None,
+        cupti_module=None,
+        cupti_error="cupti-python is not importable: simulated",
+        snapshot=trust.take_snapshot(armed.modules, None),
+    )
     monkeypatch.setattr(trust, "_ARMED", never)
     result = benchmark(_add, *add_operands, config={"repeat": 20})
     assert result["method"] == "cuda_event"

@@ -1,0 +1,160 @@
+"""The broker's worker side without a broker: a forked worker joins, a lease is granted and held
+until the worker's exit, a RESULT becomes the FINAL, and a worker that dies fails its program.
+
+:class:`WorkerMessages` talks back to its broker through a small port; here a recording port stands
+in for the broker, with the real pool, lease table and table of requests in flight, a supervisor
+with no zygotes running, a real ROUTER socket and a DEALER as the worker, on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kcoral import protocol
+from kcoral.broker.leases import LeaseTable
+from kcoral.broker.requests import Request, Worker
+from kcoral.broker.settings import BrokerSettings
+from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor, WorkerExit
+from kcoral.broker.worker_messages import WorkerMessages
+from kcoral.broker.workers import WORKER_EXIT_GRACE_SECONDS, WorkerPool
+from kcoral.service.shell import InFlightTable
+from tests.links import Link, loopback_link
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKER = "w0-1"
+
+
+@dataclass
+class RecordingBroker:
+    """The broker's side of the port: it records what the worker side asks for."""
+
+    requests: InFlightTable[Request]
+    node_id: str | None = None
+    dispatches: int = 0
+    finished: list[dict[str, Any]] = field(default_factory=list)  # FINAL bodies
+    told: list[dict[str, Any]] = field(default_factory=list)
+
+    def finish(self, request: Request, body: dict[str, Any], frames: list[Any]) -> None:
+        if self.requests.pop(request.id) is not None:
+            self.finished.append(body)
+
+    def fail(self, request: Request, kind: str, message: str) -> None:
+        self.finish(request, protocol.final_error_body(request.id, kind, message), [])
+
+    def dispatch(self) -> None:
+        self.dispatches += 1
+
+    def tell(self, request: Request, body: dict[str, Any]) -> None:
+        self.told.append(body)
+
+
+@dataclass
+class Harness:
+    side: WorkerMessages
+    broker: RecordingBroker
+    leases: LeaseTable
+    link: Link
+
+    async def deliver(self, command: bytes, body: dict[str, Any]) -> None:
+        await self.link.deliver(self.side.on_message, command, body)
+
+    async def join(self) -> Worker:
+        await self.deliver(protocol.READY, {"slot": 0, "pid": 10})
+        return self.side.pool.workers[WORKER.encode()]
+
+    def running(self, worker: Worker) -> Request:
+        """Start a program on ``worker`` as the broker's dispatch does."""
+        request = Request("r1", b"alice", {"instructions": []}, protocol.parse_options({}), [], 1)
+        request.state, request.gpu_ids, request.worker = "running", (0,), worker
+        request.queued_at = request.started_at = time.monotonic()
+        self.side.requests.add(request)
+        self.side.pool.idle.pop(worker.identity)
+        worker.request_id, worker.programs = request.id, 1
+        return request
+
+
+@asynccontextmanager
+async def worker_side() -> AsyncIterator[Harness]:
+    async with loopback_link(WORKER.encode()) as link:
+        states = {0: SlotState(SlotSpec(0, 0, Path("/tmp/slot-0"), ("zygote",)), worker=WORKER)}
+        supervisor = Supervisor([states[0].spec], on_exit=lambda exit: None, states=states)
+        requests: InFlightTable[Request] = InFlightTable()
+        leases = LeaseTable([0])
+        broker = RecordingBroker(requests)
+        side = WorkerMessages(
+            BrokerSettings(),
+            backend=link.backend,
+            pool=WorkerPool(supervisor.states),
+            requests=requests,
+            leases=leases,
+            supervisor=supervisor,
+            port=broker,
+        )
+        yield Harness(side, broker, leases, link)
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test())
+
+
+def holder(leases: LeaseTable) -> object:
+    gpu = leases.snapshot()["0"]
+    assert isinstance(gpu, dict)
+    return gpu["holder"]
+
+
+def test_the_forked_worker_joins_and_then_the_broker_is_ready() -> None:
+    async def main() -> None:
+        async with worker_side() as t:
+            await t.deliver(protocol.READY, {"slot": 7, "pid": 10})  # no such slot
+            assert not t.side.pool.workers and not t.side.ready_announced
+            await t.join()
+            assert set(t.side.pool.idle) == {WORKER.encode()}
+            assert t.side.ready_announced and t.broker.dispatches == 1
+
+    run(main)
+
+
+def test_a_lease_is_held_until_the_worker_exits_and_its_result_becomes_the_final() -> None:
+    async def main() -> None:
+        async with worker_side() as t:
+            request = t.running(await t.join())
+            await t.deliver(protocol.LEASE, {"request_id": "r1"})
+            assert await t.link.answer() == (protocol.GRANT, {"request_id": "r1"})
+            assert t.side.holds_lease(request.worker, "r1") and holder(t.leases) == "r1"
+            await t.deliver(protocol.RELEASE, {"request_id": "r1"})  # ignored: the exit gives it back
+            await t.deliver(protocol.RESULT, protocol.program_result("r1", results={"sum": 5}))
+            (final,) = t.broker.finished
+            assert final["ok"] and final["result"]["status"] == "COMPLETED"
+            assert final["result"]["gpu_ids"] == [0] and final["result"]["lease_wait_ms"] >= 0
+            assert holder(t.leases) == "r1"  # the worker may still be on the GPU until it exits
+            t.side.on_exit(WorkerExit(0, WORKER, 0, None))
+            assert holder(t.leases) is None and not t.side.held_leases
+
+    run(main)
+
+
+def test_a_worker_that_dies_while_running_fails_its_program() -> None:
+    async def main() -> None:
+        async with worker_side() as t:
+            t.running(await t.join())
+            await t.deliver(protocol.PROGRESS, {"request_id": "r1", "index": 0})
+            t.side.on_exit(WorkerExit(0, WORKER, None, 9))
+            assert t.broker.finished == []  # its RESULT may still be in the socket
+            await asyncio.sleep(WORKER_EXIT_GRACE_SECONDS + 0.1)
+            (final,) = t.broker.finished
+            error = final["result"]["error"]
+            assert final["result"]["status"] == "FAILED" and error["kind"] == "runtime"
+            assert error["instruction_index"] == 0 and "killed by signal 9" in error["message"]
+            assert not t.side.pool.workers
+
+    run(main)
