@@ -508,6 +508,8 @@ def test_2_a_program_that_freezes_its_zygote_fails_and_its_slot_is_restarted(ser
     # starts a new zygote; the program fails saying so, and holds the GPU no longer than that.
     if how == "all it can signal" and service.sandbox == "none":
         pytest.skip("without a sandbox kill(-1) stops every process of the user, the tests' own among them")
+    if how == "its group" and service.sandbox == "bubblewrap":
+        pytest.skip("the zygote leads its group under both sandboxes: the same signal as to the zygote")
     start = time.monotonic()
     result = execute(service.url, program_of(FREEZER, "freeze_the_zygote", how, 20.0))
     assert_failed(result, "runtime", "its zygote died", "found stopped")
@@ -1048,7 +1050,7 @@ def test_8_a_flood_of_large_messages_neither_stalls_nor_swells_the_broker(servic
     slowest = 0.0
     flood = program_of(LARGE_FLOODER, "flood_large", command, 32 << 20, 1.0, cpu_only=True)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        flooding = pool.submit(execute, service.url, flood, timeout_seconds=5)
+        flooding = pool.submit(execute, service.url, flood, timeout_seconds=3)
         with Client(service.url) as client:
             while not flooding.done():
                 start = time.monotonic()
