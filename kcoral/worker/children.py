@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kcoral.worker import confinement, processes
+from kcoral.worker import confinement, limits, processes
 from kcoral.worker.state import reseed_generators
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def become_worker(
         # Fresh seeds: a forked worker would otherwise draw the same "random" numbers as every
         # other worker of its slot, all having inherited the zygote's generator states.
         reseed_generators()
-        processes.apply_rlimits(settings.limits)
+        limits.apply_rlimits(settings.limits)
         from kcoral.worker.worker import WorkerSettings, run_worker
 
         code = run_worker(
@@ -153,19 +153,19 @@ class SpareState:
                 os.getpriority(os.PRIO_PROCESS, pid),
                 os.sched_getscheduler(pid),
                 frozenset(os.sched_getaffinity(pid)),
-                tuple(resource.prlimit(pid, which) for which in processes.RLIMITS.values()),
+                tuple(resource.prlimit(pid, which) for which in limits.RLIMITS.values()),
             )
         except OSError:
             return None
 
     @classmethod
-    def of_this_process(cls, limits: dict[str, int]) -> SpareState:
+    def of_this_process(cls, bounds: dict[str, int]) -> SpareState:
         """What a new worker has: this process's scheduling, the rlimits apply_rlimits sets."""
         return cls(
             os.getpriority(os.PRIO_PROCESS, 0),
             os.sched_getscheduler(0),
             frozenset(os.sched_getaffinity(0)),
-            tuple(processes.rlimit_values(limits).values()),
+            tuple(limits.rlimit_values(bounds).values()),
         )
 
 

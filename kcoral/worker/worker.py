@@ -27,7 +27,7 @@ import zmq
 import kcoral.builtins  # noqa: F401
 from kcoral import protocol
 from kcoral.timing.trust import arm_in_worker as arm_timer
-from kcoral.worker import confinement, processes
+from kcoral.worker import confinement, limits, processes
 from kcoral.worker.capture import OutputCapture, OutputFollower
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
@@ -170,7 +170,7 @@ def execute_program(
                 leftover_processes[:5]
             )
         if error is not None:
-            hint = processes.explain_limit_error(str(error.get("message")), processes.current_limits())
+            hint = limits.explain_limit_error(str(error.get("message")), limits.current_limits())
             if hint is not None:
                 error["message"] = f"{error['message']} ({hint})"
         interpreter.lease.note_end()

@@ -7,7 +7,7 @@ leaves pointing at another place is removed, never its target.
 The quota (``--max-workspace-bytes``) is the disk space a program's files take (allocated blocks,
 so a sparse file counts for what it really holds) plus a block per directory entry (an empty file
 still costs an inode; a file with several names, its blocks once). Files a program deleted but
-still holds open or mapped count too (:func:`kcoral.worker.processes.unlinked_file_bytes`, in the
+still holds open or mapped count too (:func:`kcoral.worker.limits.unlinked_file_bytes`, in the
 zygote's sample): they take the same disk. It is checked by sampling, the same way under both
 sandboxes, and the zygote kills the worker and everything it started when a sample is over: a
 kernel quota would need a filesystem per slot (a size-limited tmpfs holds the files in RAM, and a
@@ -180,9 +180,7 @@ def remove_ipc_objects() -> int:
 def detached_segment_bytes() -> int:
     """The memory of this IPC namespace's shared memory segments that no process has attached.
     (An attached one is in the Pss_Shmem of the processes that attached it.)"""
-    return sum(
-        int(row.get("rss", 0)) + int(row.get("swap", 0)) for row in _ipc_rows("shm") if row.get("nattch") == "0"
-    )
+    return sum(int(row.get("rss", 0)) + int(row.get("swap", 0)) for row in _ipc_rows("shm") if row.get("nattch") == "0")
 
 
 __all__ = [

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from kcoral.timing.trust import arm_in_zygote
-from kcoral.worker import confinement, processes, workspace
+from kcoral.worker import confinement, limits, processes, workspace
 from kcoral.worker.children import (
     PARENT_DEATH_SIGNAL,
     Child,
@@ -235,7 +235,7 @@ class Zygote:
         except (AttributeError, OSError):
             pidfd = None  # old kernels: wait_for_event polls instead
         # Its limits set from here as well as by itself: fit_to_serve compares them at once.
-        for which, value in processes.rlimit_values(self.settings.limits).items():
+        for which, value in limits.rlimit_values(self.settings.limits).items():
             with contextlib.suppress(OSError):
                 resource.prlimit(pid, which, value)
         child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write)
@@ -360,30 +360,30 @@ class Zygote:
         """One watchdog sample of the program's processes and workspace: kill it over a limit."""
         if child.kill_reason:
             return
-        limits = self.settings.limits
-        most = limits.get("processes") or None
+        bounds = self.settings.limits
+        most = bounds.get("processes") or None
         # Every process below the zygote but the spare: the worker's tree and those it made with
         # CLONE_PARENT.
         tree = processes.descendants(os.getpid(), most, spare=self.spared())
         detached = workspace.detached_segment_bytes() if self.settings.private_ipc else 0
-        breach = processes.limit_breach(tree, limits, detached)
-        if breach is None and limits.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
-            breach = self.workspace_breach(limits["workspace_bytes"], tree)
+        breach = limits.limit_breach(tree, bounds, detached)
+        if breach is None and bounds.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
+            breach = self.workspace_breach(bounds["workspace_bytes"], tree)
         if breach is not None:
             self.kill(child, f"the zygote killed it: {breach}")
 
     def workspace_breach(self, quota: int, tree: list[int]) -> str | None:
         start = time.monotonic()
         used = workspace.usage(self.settings.workspace, MAX_WORKSPACE_ENTRIES)
-        unlinked = processes.unlinked_file_bytes(tree)  # deleted files and memfds still held
+        unlinked = limits.unlinked_file_bytes(tree)  # deleted files and memfds still held
         took = time.monotonic() - start
         self.next_workspace_sample = time.monotonic() + max(WORKSPACE_SAMPLE_SECONDS, WORKSPACE_SAMPLE_FACTOR * took)
-        limit = processes.describe_limit("workspace_bytes", quota)
+        limit = limits.describe_limit("workspace_bytes", quota)
         if not used.complete:
             return f"more than {MAX_WORKSPACE_ENTRIES} files in its workspace, over {limit}"
         if used.bytes + unlinked > quota:
-            held = f" and in deleted files it holds ({processes.format_bytes(unlinked)})" if unlinked else ""
-            return f"{processes.format_bytes(used.bytes + unlinked)} in its workspace{held}, over {limit}"
+            held = f" and in deleted files it holds ({limits.format_bytes(unlinked)})" if unlinked else ""
+            return f"{limits.format_bytes(used.bytes + unlinked)} in its workspace{held}, over {limit}"
         return None
 
     def kill(self, child: Child, reason: str) -> None:
@@ -488,9 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own (its IPC namespace)")
     args = parser.parse_args(argv)
     close_inherited_descriptors()
-    limits = {str(k): int(v) for k, v in json.loads(args.limits).items()}
-    if "address_space_bytes" in limits:  # the name older brokers send
-        limits.setdefault("memory_bytes", limits.pop("address_space_bytes"))
+    bounds = {str(k): int(v) for k, v in json.loads(args.limits).items()}
+    if "address_space_bytes" in bounds:  # the name older brokers send
+        bounds.setdefault("memory_bytes", bounds.pop("address_space_bytes"))
     settings = ZygoteSettings(
         connect=args.connect,
         slot=args.slot,
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         workspace=args.workspace,
         max_programs=args.max_programs,
         preload=tuple(p for p in args.preload.split(",") if p),
-        limits=limits,
+        limits=bounds,
         eager_cuda=eager_cuda_wanted(args.gpu, os.environ),
         gpu_nodes=None if args.gpu_nodes is None else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
         # Without a sandbox, one of our own where we may make it (root): else the host's, shared.
