@@ -231,8 +231,7 @@ class Broker:
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program, and the GPUs still
         held by a finished program's worker until it has exited (see WorkerMessages.on_exit): a
-        program placed there would wait for that exit while another GPU stood free. On the two-GPU
-        H200, counting those raised fresh workers one at a time from 126 to 150 a second."""
+        program placed there would wait for that exit while another GPU stood free."""
         load = {g: 0 for g in self.gpu_ids}
         running: set[str] = set()
         for request in self.requests:
