@@ -258,6 +258,38 @@ class Attack:
     origin: str = "new"  # shared: after shared/integrity/cheat_<name>.py
 
 
+# A candidate that finds the timer's frame on its stack and returns a stale output to the timed
+# calls alone: the same source through kcoral remote and through benchmark().
+STALE_WHEN_TIMED = (
+    TOUCH
+    + """
+import sys
+
+import torch
+
+_last = None
+
+
+def _timed():
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "timed_calls":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def custom_kernel(a, b):
+    global _last
+    if _timed() and _last is not None:
+        _touch()
+        return _last
+    _last = torch.mm(a, b)
+    return _last
+"""
+)
+
+
 CATALOGUE: Final[tuple[Attack, ...]] = (
     # ------------------------------------------------------------------ after shared/integrity
     Attack(
@@ -801,63 +833,13 @@ def custom_kernel(a, b):
         "stale_when_timed",
         "telling timed calls from untimed",
         "remote",
-        TOUCH
-        + """
-import sys
-
-import torch
-
-_last = None
-
-
-def _timed():
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "timed_calls":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def custom_kernel(a, b):
-    global _last
-    if _timed() and _last is not None:
-        _touch()
-        return _last
-    _last = torch.mm(a, b)
-    return _last
-""",
+        STALE_WHEN_TIMED,
     ),
     Attack(
         "stale_when_timed_local",
         "telling timed calls from untimed",
         "benchmark",
-        TOUCH
-        + """
-import sys
-
-import torch
-
-_last = None
-
-
-def _timed():
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "timed_calls":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def custom_kernel(a, b):
-    global _last
-    if _timed() and _last is not None:
-        _touch()
-        return _last
-    _last = torch.mm(a, b)
-    return _last
-""",
+        STALE_WHEN_TIMED,
     ),
     Attack(
         "forge_report",
