@@ -15,9 +15,15 @@ from typing import Any
 import numpy as np
 
 from kcoral import Program
+from kcoral.broker.target import list_gpus
 from kcoral.keys import ClientKeys
 from kcoral.testing import LaunchOptions, running_broker, start_router, wait_ready
 from kcoral.testing import free_port as free_port
+
+
+def host_gpu_count() -> int:
+    """The GPUs a broker started here on its defaults would serve (its own discovery)."""
+    return len(list_gpus())
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import itertools
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import broker, machine, print_table, save_json
+from benchmarks.common import broker, host_gpu_count, machine, print_table, save_json
 from kcoral import AsyncClient, Program, ProgramResult
 
 HOLD_SOURCE = """
@@ -51,14 +50,6 @@ def hold(ms, cuda):
 
 def log(message: str) -> None:
     print(f"[lease_handover] {message}", file=sys.stderr, flush=True)
-
-
-def has_gpu() -> bool:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
 
 
 def hold_program(hold_ms: float, cuda: bool) -> Program:
@@ -104,7 +95,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    gpu = has_gpu()
+    gpu = host_gpu_count() > 0
     checkouts = [c.resolve() for c in args.checkout] if args.checkout else [Path(__file__).resolve().parent.parent]
     slots = ["--device", "gpu", "--gpus", "0"] if gpu else ["--fake-gpus", "1"]
     flags = [*slots, "--workers-per-gpu", "2", "--sandbox", args.sandbox]

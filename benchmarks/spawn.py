@@ -49,7 +49,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import broker, machine, print_table, progress, save_json
+from benchmarks.common import broker, host_gpu_count, machine, print_table, progress, save_json
 from kcoral import AsyncClient, Client, Program, ProgramResult
 
 CONSTANT_SOURCE = "import torch\n\n\ndef constant():\n    return 1\n"
@@ -60,14 +60,6 @@ REPLACEMENT_PAUSE_SECONDS = 2.0  # between the programs of the replacement measu
 
 def log(message: str) -> None:
     print(f"[spawn] {message}", file=sys.stderr, flush=True)
-
-
-def has_gpu() -> bool:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and "GPU" in out.stdout
 
 
 def constant_program() -> Program:
@@ -178,14 +170,6 @@ def cold_cuda_start_ms(runs: int) -> float:
     return statistics.median(samples)
 
 
-def gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-
-
 def broker_flags(sandbox: str, workers: int, gpu: bool, all_gpus: bool = False, fake_gpus: int = 0) -> list[str]:
     """``workers`` slots in all; on GPU 0 alone, or spread over every GPU with ``all_gpus`` (each
     program then runs on one of them, and in bubblewrap its worker keeps only that GPU's node),
@@ -193,7 +177,7 @@ def broker_flags(sandbox: str, workers: int, gpu: bool, all_gpus: bool = False, 
     if fake_gpus:
         slots = ["--fake-gpus", str(fake_gpus), "--workers-per-gpu", str(max(1, workers // fake_gpus))]
     elif gpu and all_gpus:
-        slots = ["--device", "gpu", "--workers-per-gpu", str(max(1, workers // max(1, gpu_count())))]
+        slots = ["--device", "gpu", "--workers-per-gpu", str(max(1, workers // max(1, host_gpu_count())))]
     elif gpu:
         slots = ["--device", "gpu", "--gpus", "0", "--workers-per-gpu", str(workers)]
     else:
@@ -308,7 +292,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6, help="turns per tree and sandbox (with --checkout)")
     args = parser.parse_args()
 
-    gpu = has_gpu()
+    gpu = host_gpu_count() > 0
     workers = args.workers or min(8, os.cpu_count() or 2)
     sandboxes = ("none", "bubblewrap") if args.sandbox == "both" else (args.sandbox,)
     log(f"{machine()}; GPU: {gpu}; {workers} worker slot(s); sandbox: {', '.join(sandboxes)}")
@@ -318,7 +302,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "machine": machine(),
         "gpu": gpu,
-        "gpus": args.fake_gpus or (gpu_count() if gpu and args.all_gpus else int(gpu)),
+        "gpus": args.fake_gpus or (host_gpu_count() if gpu and args.all_gpus else int(gpu)),
         "workers": workers,
         "in_flight": args.in_flight,
     }
