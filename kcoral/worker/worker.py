@@ -196,7 +196,7 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.connect(settings.connect)
     if settings.go_fd is not None:
         # A spare waits here, connected, while the program before it runs. EOF: the zygote is gone.
-        announced = _wait_for_go(settings.go_fd)
+        announced = bool(os.read(settings.go_fd, 1))  # Python retries a read a signal interrupts
         os.close(settings.go_fd)
         if not announced:
             socket.close(linger=0)
@@ -269,14 +269,6 @@ def run_worker(settings: WorkerSettings) -> int:
     finally:
         socket.close()
         context.term()
-
-
-def _wait_for_go(fd: int) -> bool:
-    while True:
-        try:
-            return bool(os.read(fd, 1))
-        except InterruptedError:
-            continue
 
 
 def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
