@@ -415,8 +415,11 @@ class Zygote:
         """
         child.kill_requested = True
         self.kill(child, "")
-        tree = [child.pid, *processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())]
-        if not any(confinement.holds_gpu_device(pid) is not False for pid in tree):
+        # Walked again after the kill: what was forked during the kill's own walk is found too.
+        below = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())
+        if len(below) > KILL_WALK_MOST:
+            return  # the walk stopped at its bound: some processes went unread, so the exit decides
+        if not any(confinement.holds_gpu_device(pid) is not False for pid in [child.pid, *below]):
             emit("gpu_free", worker=child.identity)
 
     def read_commands(self) -> None:
