@@ -177,7 +177,7 @@ class Broker:
         )
         if self.settings.sandbox == "none":
             # Loud: programs then share the broker's user, files and network, and nothing but the
-            # process limits stands between them (see the README, "Worker limits").
+            # process limits stands between them (see docs/operations.md, "Worker limits").
             log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
 
     async def _release(self) -> None:
