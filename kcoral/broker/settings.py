@@ -1,7 +1,21 @@
-"""What ``kcoral broker`` can be told: one frozen dataclass that the CLI fills from its flags."""
+"""What ``kcoral broker`` can be told, and what the broker decides from it.
+
+:class:`BrokerSettings` is one frozen dataclass that the CLI fills from its flags (a field left out
+keeps the same default as the flag left out); :func:`resolve` makes the broker's own decisions from
+it (the sandbox for ``auto``, the default limits shared among the worker slots) once, for the CLI
+and the tests alike.
+
+Example::
+
+    settings = resolve(BrokerSettings(fake_gpus=2, sandbox="auto"))  # SandboxUnavailable for "bubblewrap" without bwrap
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +30,40 @@ CLIENT_QUEUE_SHARE = 4
 # How long a vanished client's running programs go on before they are cancelled: a short network
 # blip (the DEALER reconnects under the same identity) costs nothing, a gone client little GPU time.
 ORPHAN_GRACE_SECONDS = 10.0
+# CPU workers where there are no GPUs: the host's cores, 1 to this many.
+MAX_DEFAULT_CPU_WORKERS = 4
+SANDBOXES = ("auto", "bubblewrap", "none")
+
+# Default per-worker limits (see kcoral.worker.processes for how each is enforced). Generous for
+# real work, tight enough that a runaway program fails with a message naming the limit before it
+# starves the host: a parallel nvcc/ninja build on a large host runs a few hundred processes; no
+# single file a kernel program writes (profiles, datasets) nears 16 GiB; 16384 descriptors are
+# more than any program needs, and a descriptor leak then fails fast.
+DEFAULT_MAX_PROCESSES = 1024
+DEFAULT_MAX_FILE_BYTES = 16 << 30
+DEFAULT_MAX_OPEN_FILES = 16384
+# Memory: the workers together may use this share of the host's RAM, so that a memory bomb meets
+# its worker's limit before the kernel's OOM killer picks a victim (the broker, perhaps). The floor
+# keeps room for a CUDA context, which alone counts about 1.4 GiB of private memory.
+DEFAULT_MEMORY_SHARE = 0.8
+MIN_DEFAULT_MEMORY_BYTES = 4 << 30
+# Workspace: the slots together may fill this share of the free disk under the run directory, so
+# that one program cannot fill the host's disk; the cap keeps it a per-program bound on big disks.
+DEFAULT_WORKSPACE_DISK_SHARE = 0.5
+MAX_DEFAULT_WORKSPACE_BYTES = 64 << 30
+MIN_DEFAULT_WORKSPACE_BYTES = 1 << 30
+# The worker limits by name (kcoral.worker.limits), and those whose default is a fixed number.
+LIMIT_NAMES = ("memory_bytes", "processes", "file_size_bytes", "open_files", "workspace_bytes")
+FIXED_DEFAULT_LIMITS = {
+    "processes": DEFAULT_MAX_PROCESSES,
+    "file_size_bytes": DEFAULT_MAX_FILE_BYTES,
+    "open_files": DEFAULT_MAX_OPEN_FILES,
+}
+
+
+def default_cpu_workers() -> int:
+    """CPU workers where there are no GPUs: the host's cores, 1 to MAX_DEFAULT_CPU_WORKERS."""
+    return max(1, min(MAX_DEFAULT_CPU_WORKERS, os.cpu_count() or 2))
 
 
 @dataclass(frozen=True)
@@ -27,8 +75,10 @@ class BrokerSettings:
     gpus: tuple[int, ...] | None = None  # None: every local GPU
     fake_gpus: int = 0
     workers_per_gpu: int = 1
-    workers: int = 2  # CPU workers where there are no GPUs
-    sandbox: str = "none"
+    workers: int = field(default_factory=default_cpu_workers)  # CPU workers where there are no GPUs
+    # "bubblewrap": never run programs without the walls unless told to; "auto": bubblewrap where it
+    # runs, none with a warning where it does not (resolve() decides); "none".
+    sandbox: str = "bubblewrap"
     sandbox_reason: str = ""  # why there is none, when bubblewrap could not run (--sandbox auto)
     sandbox_readonly_paths: tuple[Path, ...] = ()
     max_programs_per_worker: int = 1
@@ -47,6 +97,7 @@ class BrokerSettings:
     # as a frame: no copy through the broker's memory and the ipc socket.
     blob_path_min_bytes: int = 1 << 20
     run_dir: Path | None = None
+    # Per-worker limits by LIMIT_NAMES; resolve() gives a missing one its default and drops a 0 (none).
     limits: dict[str, int] = field(default_factory=dict)
     preload: str = "numpy,torch"
     # Join a kcoral router at this nodes endpoint (kcoral/broker/upstream.py), as this node id.
@@ -73,6 +124,7 @@ class BrokerSettings:
         """(in all, per client) bytes of uploads in progress."""
         per_client = self.max_upload_bytes_per_client or self.max_request_bytes
         return self.max_upload_bytes or 2 * self.max_request_bytes, per_client
+
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
 
@@ -84,4 +136,86 @@ def client_queue_limit(max_queued: int, max_queued_per_client: int | None) -> in
     return max(1, max_queued // CLIENT_QUEUE_SHARE)
 
 
-__all__ = ["CLIENT_QUEUE_SHARE", "ORPHAN_GRACE_SECONDS", "BrokerSettings", "client_queue_limit"]
+def resolve(settings: BrokerSettings) -> BrokerSettings:
+    """The settings as the broker runs them: the sandbox decided, every worker limit given a value.
+
+    ``sandbox="auto"`` becomes ``"bubblewrap"`` where bwrap runs, else ``"none"`` with the reason in
+    ``sandbox_reason``; ``"bubblewrap"`` where bwrap cannot run raises
+    :class:`~kcoral.sandbox.bubblewrap.SandboxUnavailable`. A limit left out of ``settings.limits``
+    gets its default (memory and workspace: a share of the host's shared among the slots), and a
+    limit of 0 means none and is dropped.
+    """
+    from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
+
+    unknown = sorted(set(settings.limits) - set(LIMIT_NAMES))
+    if unknown:
+        raise ValueError(f"unknown worker limits {unknown}; expected some of {', '.join(LIMIT_NAMES)}")
+    if settings.sandbox not in SANDBOXES:
+        raise ValueError(f"unknown sandbox {settings.sandbox!r}; expected one of {', '.join(SANDBOXES)}")
+    sandbox, reason = settings.sandbox, settings.sandbox_reason
+    if sandbox == "none":
+        reason = reason or "--sandbox none was given"
+    else:
+        try:
+            check_bwrap()
+            sandbox = "bubblewrap"
+        except SandboxUnavailable as exc:
+            if sandbox == "bubblewrap":
+                raise
+            sandbox, reason = "none", f"--sandbox auto, and bubblewrap cannot run here: {exc}"
+    slots = slot_count(settings)
+    limits = {**FIXED_DEFAULT_LIMITS, **settings.limits}
+    if "memory_bytes" not in limits:
+        limits["memory_bytes"] = default_memory_limit(slots)
+    if "workspace_bytes" not in limits:
+        limits["workspace_bytes"] = default_workspace_bytes(settings.run_dir, slots)
+    return dataclasses.replace(
+        settings,
+        sandbox=sandbox,
+        sandbox_reason=reason,
+        limits={name: limits[name] for name in LIMIT_NAMES if limits.get(name)},
+    )
+
+
+def slot_count(settings: BrokerSettings) -> int:
+    """The worker slots the broker will run, found before it starts (and without CUDA)."""
+    if settings.fake_gpus:
+        slots = settings.fake_gpus * settings.workers_per_gpu
+    elif settings.gpus:
+        slots = len(settings.gpus) * settings.workers_per_gpu
+    else:
+        # Counting device nodes finds the GPUs without initialising CUDA in this process.
+        gpus = 0 if settings.device == "cpu" else len(list(Path("/dev").glob("nvidia[0-9]*")))
+        slots = gpus * settings.workers_per_gpu if gpus else settings.workers
+    return max(1, slots)
+
+
+def default_memory_limit(slots: int) -> int:
+    """DEFAULT_MEMORY_SHARE of the RAM divided among the worker slots."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(MIN_DEFAULT_MEMORY_BYTES, int(ram * DEFAULT_MEMORY_SHARE / slots))
+
+
+def default_workspace_bytes(run_dir: Path | None, slots: int) -> int:
+    """DEFAULT_WORKSPACE_DISK_SHARE of the free disk under the run directory, divided among the slots."""
+    where = run_dir or Path(tempfile.gettempdir())
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    share = int(free * DEFAULT_WORKSPACE_DISK_SHARE / max(1, slots))
+    return max(MIN_DEFAULT_WORKSPACE_BYTES, min(MAX_DEFAULT_WORKSPACE_BYTES, share))
+
+
+__all__ = [
+    "CLIENT_QUEUE_SHARE",
+    "DEFAULT_MAX_FILE_BYTES",
+    "DEFAULT_MAX_OPEN_FILES",
+    "DEFAULT_MAX_PROCESSES",
+    "ORPHAN_GRACE_SECONDS",
+    "SANDBOXES",
+    "BrokerSettings",
+    "client_queue_limit",
+    "default_cpu_workers",
+    "resolve",
+    "slot_count",
+]

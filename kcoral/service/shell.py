@@ -21,7 +21,7 @@ blobs) and fills its dispatch table, one handler per command. The shell owns:
       await release()         # let the service close its own sockets and processes,
       terminate()             # and end the context
 
-``serve`` touches no signals: the entry point (``kcoral/cli_service.py``) maps SIGTERM and SIGINT to
+``serve`` touches no signals: the entry point (``kcoral/cli/service.py``) maps SIGTERM and SIGINT to
 :meth:`drain` and a second SIGINT to :meth:`stop`, as arq leaves them to its runner.
 """
 

@@ -1,8 +1,8 @@
 """The ``kcoral`` command: argument parsing, logging set-up and the environment, nothing else.
 
-Each service subcommand lives in a module of its own (``kcoral.cli_broker``, ``kcoral.cli_router``;
-what they share, signals included, in ``kcoral.cli_service``), the flag types in
-``kcoral.cli_arguments``, the adapters in ``kcoral.tools``.
+Each service subcommand lives in a module of its own (``kcoral.cli.broker``, ``kcoral.cli.router``;
+what they share, signals included, in ``kcoral.cli.service``), the flag types in
+``kcoral.cli.arguments``, the adapters in ``kcoral.tools``.
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ from typing import Any
 import structlog
 
 from kcoral import __version__
-from kcoral.cli_arguments import (
+from kcoral.cli.arguments import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
-    _absolute_path,
-    _add_logging_flags,
-    _HelpFormatter,
-    _log_level,
-    _Parser,
-    _positive,
-    _positive_seconds,
+    HelpFormatter,
+    Parser,
+    absolute_path,
+    add_logging_flags,
+    log_level,
+    positive,
+    positive_seconds,
 )
-from kcoral.cli_broker import DEFAULT_BROKER_URL, add_broker_parser
-from kcoral.cli_router import add_router_parser
+from kcoral.cli.broker import DEFAULT_BROKER_URL, add_broker_parser
+from kcoral.cli.router import add_router_parser
 
 
 def configure_logging(level: str, as_json: bool) -> None:
@@ -56,34 +56,34 @@ def build_parser() -> argparse.ArgumentParser:
     from kcoral.tools.adapter import add_key_arguments
 
     key_defaults = (os.environ.get("KCORAL_SERVER_KEY"), os.environ.get("KCORAL_CLIENT_KEY"))
-    parser = _Parser(prog="kcoral", description="KCoral: a GPU evaluation service.")
+    parser = Parser(prog="kcoral", description="KCoral: a GPU evaluation service.")
     parser.add_argument("--version", action="version", version=f"kcoral {__version__}")
-    _add_logging_flags(parser, top=True)
+    add_logging_flags(parser, top=True)
     sub: argparse._SubParsersAction[argparse.ArgumentParser]
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)  # type: ignore[assignment]
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)  # type: ignore[assignment]
     add_broker_parser(sub)
     add_router_parser(sub)
 
     keys = sub.add_parser("keys", help="CurveZMQ key pairs for services, clients and nodes")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     generate = keys_sub.add_parser("generate", help="write DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
-    generate.add_argument("directory", type=_absolute_path, metavar="DIR")
+    generate.add_argument("directory", type=absolute_path, metavar="DIR")
     generate.add_argument("--name", default="kcoral", help="the files' base name (default: kcoral)")
     generate.set_defaults(run=_keys)
 
     status = sub.add_parser(
         "status",
         help="show a broker's or router's capacity, queue, leases, workers",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     status.add_argument(
         "url", nargs="?", default=None, help=f"tcp://HOST:PORT (default: $KCORAL_URL or {DEFAULT_BROKER_URL})"
     )
     status.add_argument("--json", action="store_true", help="the full health map as JSON (one per line with --watch)")
     status.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    status.add_argument("--interval", type=_positive_seconds, default=1.0, metavar="S", help="seconds between pages")
+    status.add_argument("--interval", type=positive_seconds, default=1.0, metavar="S", help="seconds between pages")
     status.add_argument(
-        "--count", type=_positive, default=None, metavar="N", help="stop after N pages (implies --watch)"
+        "--count", type=positive, default=None, metavar="N", help="stop after N pages (implies --watch)"
     )
     add_key_arguments(status, key_defaults)
     status.set_defaults(run=_status)
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The seed's adapters: python, ncu, sanitizer, iket, remote (their flags live in kcoral/tools).
     add_adapter_parsers(sub, default_url=os.environ.get("KCORAL_URL"), default_keys=key_defaults)
     for subcommand in sub.choices.values():
-        _add_logging_flags(subcommand, top=False)
+        add_logging_flags(subcommand, top=False)
     return parser
 
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     level = args.log_level
     if level is None:
         try:
-            level = _log_level(os.environ.get("KCORAL_LOG_LEVEL", "info"))
+            level = log_level(os.environ.get("KCORAL_LOG_LEVEL", "info"))
         except argparse.ArgumentTypeError as exc:
             parser.error(f"$KCORAL_LOG_LEVEL: {exc}")
     configure_logging(level, args.log_json)
@@ -127,7 +127,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from kcoral import KCoralError
-    from kcoral.status import show, watch
+    from kcoral.cli.status import show, watch
     from kcoral.tools.adapter import UsageError, keys_from_args
 
     url = args.url or os.environ.get("KCORAL_URL") or DEFAULT_BROKER_URL
@@ -163,7 +163,3 @@ __all__ = [
     "configure_logging",
     "main",
 ]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from kcoral.cli_arguments import (
-    _add_access_arguments,
-    _add_max_request_bytes,
-    _add_metrics_listen,
-    _endpoint,
-    _HelpFormatter,
-    _name_values,
-    _positive,
-    _positive_seconds,
+from kcoral.cli.arguments import (
+    HelpFormatter,
+    add_access_arguments,
+    add_max_request_bytes,
+    add_metrics_listen,
+    endpoint,
+    name_values,
+    positive,
+    positive_seconds,
 )
-from kcoral.cli_service import access_refusal, run_service, server_security, shared_settings
+from kcoral.cli.service import access_refusal, run_service, server_security, shared_settings
 
 DEFAULT_ROUTER_URL = "tcp://127.0.0.1:6000"
 DEFAULT_ROUTER_NODES_URL = "tcp://127.0.0.1:6001"
@@ -23,24 +23,24 @@ DEFAULT_ROUTER_NODES_URL = "tcp://127.0.0.1:6001"
 def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``kcoral router`` and its flags."""
     router = sub.add_parser(
-        "router", help="one endpoint for the brokers of many GPU hosts", formatter_class=_HelpFormatter
+        "router", help="one endpoint for the brokers of many GPU hosts", formatter_class=HelpFormatter
     )
-    router.add_argument("--listen", type=_endpoint, default=DEFAULT_ROUTER_URL, help="where clients connect")
+    router.add_argument("--listen", type=endpoint, default=DEFAULT_ROUTER_URL, help="where clients connect")
     router.add_argument(
-        "--nodes-listen", type=_endpoint, default=DEFAULT_ROUTER_NODES_URL, help="where host brokers connect"
+        "--nodes-listen", type=endpoint, default=DEFAULT_ROUTER_NODES_URL, help="where host brokers connect"
     )
-    router.add_argument("--max-queued", type=_positive, default=1024, help="programs waiting before 'busy'")
-    router.add_argument("--queue-timeout", type=_positive_seconds, default=3600.0, help="seconds a program may wait")
+    router.add_argument("--max-queued", type=positive, default=1024, help="programs waiting before 'busy'")
+    router.add_argument("--queue-timeout", type=positive_seconds, default=3600.0, help="seconds a program may wait")
     router.add_argument(
         "--node-wait",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         help="seconds programs wait for a node while none is registered, then are refused (default 10)",
     )
-    _add_max_request_bytes(router)
-    _add_access_arguments(router, nodes=True)
-    _add_metrics_listen(router)
-    _name_values(router)
+    add_max_request_bytes(router)
+    add_access_arguments(router, nodes=True)
+    add_metrics_listen(router)
+    name_values(router)
     router.set_defaults(run=run_router)
 
 

@@ -19,7 +19,7 @@ EXIT_CONFIG = 78  # the service cannot start with these settings
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with a one-line error: the full usage of ``kcoral broker`` is 20 lines, which
     buries the message; ``--help`` is named instead."""
 
@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-class _HelpFormatter(argparse.HelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Shows each flag's default (sizes human-readable) unless its help already names it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -37,11 +37,11 @@ class _HelpFormatter(argparse.HelpFormatter):
             return text
         if default == [] or default is argparse.SUPPRESS:
             return text
-        shown = format_bytes(default) if action.type is _size else "%(default)s"
+        shown = format_bytes(default) if action.type is size else "%(default)s"
         return f"{text} (default: {shown})"
 
 
-def _size(text: str) -> int:
+def size(text: str) -> int:
     try:
         value = parse_size(text)
     except ValueError as exc:
@@ -49,13 +49,13 @@ def _size(text: str) -> int:
     return value
 
 
-def _log_level(text: str) -> str:
+def log_level(text: str) -> str:
     if text.lower() not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, not {text!r}")
     return text.lower()
 
 
-def _gpu_list(text: str) -> tuple[int, ...]:
+def gpu_list(text: str) -> tuple[int, ...]:
     try:
         gpus = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
@@ -65,49 +65,49 @@ def _gpu_list(text: str) -> tuple[int, ...]:
     return gpus
 
 
-def _integer(text: str) -> int:
+def integer(text: str) -> int:
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    value = _integer(text)
+def positive(text: str) -> int:
+    value = integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
 
 
-def _non_negative(text: str) -> int:
-    value = _integer(text)
+def non_negative(text: str) -> int:
+    value = integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
     try:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
 
 
-def _positive_seconds(text: str) -> float:
-    value = _seconds(text)
+def positive_seconds(text: str) -> float:
+    value = seconds(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
     return value
 
 
-def _endpoint(text: str) -> str:
+def endpoint(text: str) -> str:
     if not re.fullmatch(r"tcp://.+:[0-9]+|ipc://.+", text):
         hint = f" (did you mean tcp://{text}?)" if re.fullmatch(r"[^/:]+:[0-9]+", text) else ""
         raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, not {text!r}{hint}")
     return text
 
 
-def _metrics_listen(text: str) -> str:
+def metrics_listen(text: str) -> str:
     from kcoral.metrics import parse_listen
 
     try:
@@ -117,32 +117,32 @@ def _metrics_listen(text: str) -> str:
     return text
 
 
-def _node_id(text: str) -> str:
+def node_id(text: str) -> str:
     if not protocol.ID_PATTERN.fullmatch(text):
         raise argparse.ArgumentTypeError(f"a node id is 1 to 200 of letters, digits and '_.:-', not {text!r}")
     return text
 
 
-def _absolute_path(text: str) -> Path:
+def absolute_path(text: str) -> Path:
     # Absolute from here on: a sandboxed zygote runs in /workspace, where a relative ipc:// path
     # or bind source would point elsewhere.
     return Path(text).absolute()
 
 
-def _existing_path(text: str) -> Path:
-    path = _absolute_path(text)
+def existing_path(text: str) -> Path:
+    path = absolute_path(text)
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text} does not exist")
     return path
 
 
-def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
+def add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     """The global flags; on a subcommand too (``kcoral broker --log-json``), where they default to
     nothing so that they do not undo the same flag given before the subcommand."""
     parser.add_argument(
         "--log-level",
         metavar="LEVEL",
-        type=_log_level,
+        type=log_level,
         default=None if top else argparse.SUPPRESS,
         help=f"one of {', '.join(LOG_LEVELS)} (default: $KCORAL_LOG_LEVEL or info)",
     )
@@ -154,18 +154,18 @@ def _add_logging_flags(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
+def add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
     """CurveZMQ and fair share, the same for broker and router (kcoral/service/)."""
     parser.add_argument(
         "--curve-secret-key",
-        type=_existing_path,
+        type=existing_path,
         default=None,
         metavar="FILE",
         help="this service's secret key file (kcoral keys generate): CurveZMQ on its TCP endpoints",
     )
     parser.add_argument(
         "--authorized-keys",
-        type=_existing_path,
+        type=existing_path,
         default=None,
         metavar="DIR",
         help="a directory of the clients' public key files (*.key); only those clients may connect",
@@ -173,7 +173,7 @@ def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = Fals
     if nodes:
         parser.add_argument(
             "--authorized-node-keys",
-            type=_existing_path,
+            type=existing_path,
             default=None,
             metavar="DIR",
             help="a directory of the host brokers' public key files; only those may register as nodes",
@@ -185,55 +185,55 @@ def _add_access_arguments(parser: argparse.ArgumentParser, *, nodes: bool = Fals
     )
     parser.add_argument(
         "--max-queued-per-client",
-        type=_positive,
+        type=positive,
         default=None,
         help="programs one client (one key, or one connection without keys) may have waiting "
         "(default: a quarter of --max-queued)",
     )
     parser.add_argument(
         "--orphan-grace",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=None,
         help="seconds a disconnected client's running programs go on before they are cancelled (default 10)",
     )
 
 
-def _add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
+def add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
     """The one program-size bound that broker and router both check (kcoral/service/admission.py)."""
     parser.add_argument(
         "--max-request-bytes",
-        type=_size,
+        type=size,
         default=protocol.DEFAULT_MAX_REQUEST_BYTES,
         help="declared sizes and blob bytes of one program",
     )
 
 
-def _add_metrics_listen(parser: argparse.ArgumentParser) -> None:
+def add_metrics_listen(parser: argparse.ArgumentParser) -> None:
     """The Prometheus endpoint, the same for broker and router (kcoral/metrics.py)."""
     parser.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
-        type=_metrics_listen,
+        type=metrics_listen,
         default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
     )
 
 
-_METAVARS: dict[Any, str] = {
-    _size: "SIZE",
-    _endpoint: "URL",
-    _positive: "N",
-    _non_negative: "N",
-    _positive_seconds: "S",
-    _gpu_list: "LIST",
-    _absolute_path: "DIR",
-    _existing_path: "PATH",
-    _node_id: "NAME",
+METAVARS: dict[Any, str] = {
+    size: "SIZE",
+    endpoint: "URL",
+    positive: "N",
+    non_negative: "N",
+    positive_seconds: "S",
+    gpu_list: "LIST",
+    absolute_path: "DIR",
+    existing_path: "PATH",
+    node_id: "NAME",
 }
 
 
-def _name_values(parser: argparse.ArgumentParser) -> None:
+def name_values(parser: argparse.ArgumentParser) -> None:
     """``--cache-bytes SIZE`` in the usage rather than ``--cache-bytes CACHE_BYTES``."""
     for action in parser._actions:
-        if action.metavar is None and action.type in _METAVARS:
-            action.metavar = _METAVARS[action.type]
+        if action.metavar is None and action.type in METAVARS:
+            action.metavar = METAVARS[action.type]

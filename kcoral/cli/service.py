@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import structlog
 
-from kcoral.cli_arguments import EXIT_CONFIG, EXIT_OK
+from kcoral.cli.arguments import EXIT_CONFIG, EXIT_OK
 
 if TYPE_CHECKING:
     from kcoral.service.auth import ServerSecurity
@@ -45,7 +45,7 @@ class SharedSettings(TypedDict):
 
 
 def shared_settings(args: argparse.Namespace, security: ServerSecurity | None) -> SharedSettings:
-    """The settings both services take from the flags they share (kcoral.cli_arguments)."""
+    """The settings both services take from the flags they share (kcoral.cli.arguments)."""
     from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
 
     return SharedSettings(

@@ -1,0 +1,263 @@
+"""``kcoral broker``: its flags and the BrokerSettings built from them (what the broker decides
+from those, the sandbox and the default limits included, is :func:`kcoral.broker.settings.resolve`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from kcoral import protocol
+from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS
+from kcoral.broker.settings import (
+    DEFAULT_MAX_FILE_BYTES,
+    DEFAULT_MAX_OPEN_FILES,
+    DEFAULT_MAX_PROCESSES,
+    SANDBOXES,
+    BrokerSettings,
+)
+from kcoral.cli.arguments import (
+    EXIT_CONFIG,
+    HelpFormatter,
+    absolute_path,
+    add_access_arguments,
+    add_max_request_bytes,
+    add_metrics_listen,
+    endpoint,
+    existing_path,
+    gpu_list,
+    name_values,
+    node_id,
+    non_negative,
+    positive,
+    positive_seconds,
+    size,
+)
+from kcoral.cli.service import access_refusal, run_service, server_security, shared_settings
+from kcoral.units import format_bytes
+
+DEFAULT_BROKER_URL = "tcp://127.0.0.1:5555"
+
+
+def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kcoral broker`` and its flags."""
+    broker = sub.add_parser(
+        "broker", help="serve programs on this host's GPUs (or CPUs)", formatter_class=HelpFormatter
+    )
+    broker.add_argument(
+        "--listen", type=endpoint, default=DEFAULT_BROKER_URL, help="where clients connect, tcp://HOST:PORT"
+    )
+    broker.add_argument(
+        "--device", choices=("gpu", "cpu"), default=None, help="serve GPUs or CPU workers (default: GPUs if any)"
+    )
+    broker.add_argument("--gpus", type=gpu_list, default=None, help="GPU indices to serve, e.g. 0,1 (default: all)")
+    broker.add_argument("--fake-gpus", type=non_negative, default=0, help="lease tokens on a CPU host")
+    broker.add_argument("--workers-per-gpu", type=positive, default=1, help="worker slots per GPU")
+    broker.add_argument(
+        "--workers", type=positive, default=None, help="CPU workers when there are no GPUs (default: cores, 1 to 4)"
+    )
+    broker.add_argument(
+        "--sandbox",
+        choices=SANDBOXES,
+        default="bubblewrap",
+        help="isolate each worker with bubblewrap (the default: the broker refuses to start where bwrap "
+        "cannot run), 'none' for no isolation, or 'auto' for bubblewrap where it runs and none, with a "
+        "warning, where it does not",
+    )
+    broker.add_argument(
+        "--sandbox-readonly-path",
+        action="append",
+        type=existing_path,
+        default=[],
+        help="a host path that workers may read, at the same path (repeatable)",
+    )
+    broker.add_argument(
+        "--max-programs-per-worker", type=non_negative, default=1, help="programs a worker runs; 0: reuse workers"
+    )
+    broker.add_argument(
+        "--cache-dir",
+        type=absolute_path,
+        default=None,
+        help="disk blob cache (default: RUN_DIR/cache, deleted with a temporary run dir; "
+        "give this or --run-dir for a cache that survives a restart)",
+    )
+    broker.add_argument("--cache-bytes", type=size, default=1 << 30, help="memory blob cache")
+    broker.add_argument("--cache-disk-bytes", type=size, default=32 << 30, help="disk blob cache")
+    broker.add_argument("--max-queued", type=positive, default=1024, help="programs waiting before 'busy'")
+    broker.add_argument(
+        "--queue-timeout", type=positive_seconds, default=3600.0, help="seconds a program may wait to start"
+    )
+    add_max_request_bytes(broker)
+    broker.add_argument(
+        "--max-response-bytes",
+        type=size,
+        default=protocol.DEFAULT_MAX_RESPONSE_BYTES,
+        help="data returned by one program",
+    )
+    broker.add_argument(
+        "--negotiation-timeout",
+        type=positive_seconds,
+        default=None,
+        help="seconds a program waits for each round of its missing blobs (default 60)",
+    )
+    broker.add_argument(
+        "--memory-limit",
+        type=size,
+        default=None,
+        help="private memory per worker, all its processes together; 0: none "
+        "(default: 80%% of RAM shared among the slots, at least 4 GiB)",
+    )
+    broker.add_argument(
+        "--max-processes",
+        type=non_negative,
+        default=None,
+        help=f"processes per worker, itself included; 0: none (default {DEFAULT_MAX_PROCESSES})",
+    )
+    broker.add_argument(
+        "--max-file-bytes",
+        type=size,
+        default=None,
+        help=f"largest file a worker may write; 0: none (default {format_bytes(DEFAULT_MAX_FILE_BYTES)})",
+    )
+    broker.add_argument(
+        "--max-open-files",
+        type=non_negative,
+        default=None,
+        help=f"open files per worker process; 0: the inherited limit (default {DEFAULT_MAX_OPEN_FILES})",
+    )
+    broker.add_argument(
+        "--max-workspace-bytes",
+        type=size,
+        default=None,
+        help="disk space one program's files may take in its workspace, checked several times a second; 0: "
+        "none (default: half the free space of the run directory's disk shared among the slots, at most 64 GiB)",
+    )
+    broker.add_argument(
+        "--run-dir", type=absolute_path, default=None, help="sockets and workspaces (default: a temp dir)"
+    )
+    broker.add_argument(
+        "--upstream", type=endpoint, default=None, help="a router's nodes endpoint to join, tcp://HOST:PORT"
+    )
+    broker.add_argument(
+        "--node-id", type=node_id, default=None, help="this host's name at the router (default: HOSTNAME:PORT)"
+    )
+    broker.add_argument(
+        "--upstream-server-key",
+        type=existing_path,
+        default=None,
+        metavar="FILE",
+        help="the router's public key file: CurveZMQ on the link to --upstream",
+    )
+    broker.add_argument(
+        "--upstream-key",
+        type=existing_path,
+        default=None,
+        metavar="FILE",
+        help="this node's secret key file for the link (default: --curve-secret-key)",
+    )
+    add_access_arguments(broker)
+    broker.add_argument(
+        "--max-upload-bytes",
+        type=size,
+        default=None,
+        help="bytes of uploads in progress, all clients together (default: twice --max-request-bytes)",
+    )
+    broker.add_argument(
+        "--max-upload-bytes-per-client",
+        type=size,
+        default=None,
+        help="bytes of uploads in progress per client (default: --max-request-bytes)",
+    )
+    add_metrics_listen(broker)
+    name_values(broker)
+    broker.set_defaults(run=run_broker)
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    """``kcoral broker``: its settings from the flags, then serve until stopped."""
+    from kcoral.broker.broker import Broker
+    from kcoral.broker.settings import resolve
+    from kcoral.broker.target import TargetError
+    from kcoral.sandbox.bubblewrap import SandboxUnavailable
+    from kcoral.service.auth import ListenRefused, check_listen
+
+    log = structlog.get_logger("kcoral.cli")
+
+    def access() -> tuple[Any, Any]:
+        security = server_security(args)
+        # Checked again when the broker binds; here, before a run directory exists.
+        check_listen(args.listen, secured=security is not None, insecure_listen_any=args.insecure_listen_any)
+        return security, _upstream_keys(args)
+
+    keys, failed = access_refusal("broker", access)
+    if failed is not None:
+        return failed
+    security, upstream_keys = keys
+    settings = broker_settings(args, security, upstream_keys)
+    try:
+        settings = resolve(settings)
+    except SandboxUnavailable as exc:  # never run programs without the walls unless told to
+        log.error("broker_cannot_start", error=f"{exc} (or --sandbox auto to run without it here)")
+        return EXIT_CONFIG
+    # The CLI makes the temporary run directory, so that it goes away however the broker ends
+    # (a port in use, a sandbox that cannot start).
+    temporary_run_dir = None if args.run_dir else Path(tempfile.mkdtemp(prefix="kcoral-"))
+    settings = dataclasses.replace(settings, run_dir=args.run_dir or temporary_run_dir)
+    try:
+        return run_service("broker", lambda: Broker(settings), (TargetError, SandboxUnavailable, ListenRefused))
+    finally:
+        if temporary_run_dir is not None:
+            shutil.rmtree(temporary_run_dir, ignore_errors=True)
+
+
+def broker_settings(args: argparse.Namespace, security: Any, upstream_keys: Any) -> BrokerSettings:
+    """The BrokerSettings that the flags ask for, before the broker decides the rest (``resolve``):
+    a flag left out gives the field's own default."""
+    given_limits = {
+        "memory_bytes": args.memory_limit,
+        "processes": args.max_processes,
+        "file_size_bytes": args.max_file_bytes,
+        "open_files": args.max_open_files,
+        "workspace_bytes": args.max_workspace_bytes,
+    }
+    return BrokerSettings(
+        **shared_settings(args, security),
+        device=args.device or "auto",
+        gpus=args.gpus,
+        fake_gpus=args.fake_gpus,
+        workers_per_gpu=args.workers_per_gpu,
+        **({"workers": args.workers} if args.workers is not None else {}),
+        sandbox=args.sandbox,
+        sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
+        max_programs_per_worker=args.max_programs_per_worker,
+        cache_dir=args.cache_dir,
+        cache_bytes=args.cache_bytes,
+        cache_disk_bytes=args.cache_disk_bytes,
+        max_response_bytes=args.max_response_bytes,
+        negotiation_timeout_seconds=args.negotiation_timeout or NEGOTIATION_TIMEOUT_SECONDS,
+        run_dir=args.run_dir,
+        limits={name: value for name, value in given_limits.items() if value is not None},
+        upstream=args.upstream,
+        node_id=args.node_id,
+        upstream_keys=upstream_keys,
+        max_upload_bytes=args.max_upload_bytes,
+        max_upload_bytes_per_client=args.max_upload_bytes_per_client,
+    )
+
+
+def _upstream_keys(args: argparse.Namespace) -> Any:
+    from kcoral.keys import ClientKeys, KeyFileError
+
+    if args.upstream_server_key is None:
+        if args.upstream_key is not None:
+            raise KeyFileError("--upstream-key needs --upstream-server-key (the router's public key)")
+        return None
+    own = args.upstream_key or args.curve_secret_key
+    if own is None:
+        raise KeyFileError("--upstream-server-key needs this node's key pair: --upstream-key or --curve-secret-key")
+    return ClientKeys.from_files(args.upstream_server_key, own)
