@@ -1,37 +1,16 @@
-"""Fixtures that start real ``kcoral broker`` processes on loopback (``kcoral.testing``) and stop them afterwards."""
+"""Fixtures that start real ``kcoral broker`` processes on loopback (``kcoral.testing``) and stop them
+afterwards; fixtures only: what tests import is in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Unpack
 
 import pytest
 
-from kcoral import Client, testing
-from kcoral.testing import RunningService as RunningBroker
-from kcoral.testing import free_port as free_port
-
-
-def has_gpu() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
-
-
-def start_broker(
-    tmp_path: Path, *args: str, port: int | None = None, **launch: Unpack[testing.LaunchOptions]
-) -> RunningBroker:
-    """A broker for a test: debug logs, and no sandbox unless the test asks for one."""
-    sandbox = () if "--sandbox" in args else ("--sandbox", "none")
-    return testing.start_broker(tmp_path, *args, *sandbox, port=port, **launch)
-
-
-BrokerFactory = Callable[..., RunningBroker]
+from kcoral import Client
+from tests.helpers import BrokerFactory, RunningBroker, has_gpu, start_broker
 
 
 @pytest.fixture

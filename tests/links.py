@@ -14,7 +14,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.service.sockets import router_socket
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 
 @dataclass

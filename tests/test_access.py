@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from kcoral import AsyncClient, Client, KCoralError, Program, protocol, testing
 from kcoral.keys import ClientKeys, generate_keypair
-from tests.conftest import BrokerFactory, free_port
+from tests.helpers import BrokerFactory, free_port
 
 pytestmark = pytest.mark.timeout(240)
 

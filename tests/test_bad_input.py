@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kcoral import Client, KCoralError, Program, protocol
-from tests.conftest import BrokerFactory, RunningBroker
+from tests.helpers import BrokerFactory, RunningBroker
 
 LOG_TIMEOUT_SECONDS = 10.0
 REPLY_TIMEOUT_SECONDS = 10.0

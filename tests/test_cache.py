@@ -21,7 +21,7 @@ import zmq
 from kcoral import AsyncClient, Client, KCoralError, Program, protocol
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from kcoral.worker.worker import ProgramBlobs, _map_blob
-from tests.conftest import BrokerFactory, RunningBroker, start_broker
+from tests.helpers import BrokerFactory, RunningBroker, start_broker
 
 RAW_TIMEOUT_MS = 10_000
 SUM_SOURCE = """\

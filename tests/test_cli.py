@@ -16,7 +16,7 @@ import pytest
 from kcoral import Client, TransportError
 from kcoral.cli import EXIT_CONFIG, EXIT_UNAVAILABLE, EXIT_USAGE
 from kcoral.units import format_bytes, parse_size
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 CLI_TIMEOUT_S = 60
 

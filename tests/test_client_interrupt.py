@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kcoral import Client
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 SLEEP_SECONDS = 120  # how long the program would run if nobody cancelled it
 PROMPT_SECONDS = 10.0  # how soon the slot must be free again after Ctrl-C (typically 0.3 s)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from kcoral.client.progress import ProgressEvent, TerminalProgress
-from tests.conftest import RunningBroker
+from tests.helpers import RunningBroker
 
 CLIENT_SCRIPT = """
 import sys

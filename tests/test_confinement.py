@@ -19,7 +19,7 @@ import pytest
 from kcoral import AsyncClient, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from kcoral.worker.confinement import DevEntry, capabilities_left, dev_entries_kept, holds_gpu_device
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 PROGRAM_TIMEOUT_S = 60
 

@@ -381,7 +381,7 @@ def test_health_and_target(client: Client) -> None:
 
 
 def test_no_service_raises_transport_error() -> None:
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     start = time.monotonic()
     with pytest.raises(TransportError):

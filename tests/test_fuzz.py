@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kcoral import Client, KCoralError, Program, protocol
-from tests.conftest import RunningBroker, free_port, start_broker
+from tests.helpers import RunningBroker, free_port, start_broker
 
 FUZZ_EXAMPLES = int(os.environ.get("KCORAL_FUZZ_EXAMPLES", "400"))
 # Growth of each service's resident memory allowed after the fuzzing: its caches and libzmq's

@@ -26,7 +26,7 @@ import pytest
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.cli import EXIT_CONFIG
 from kcoral.sandbox.bubblewrap import BLOBS, WORKSPACE, SandboxUnavailable, check_bwrap
-from tests.conftest import RunningBroker, free_port, start_broker
+from tests.helpers import RunningBroker, free_port, start_broker
 
 try:
     check_bwrap()

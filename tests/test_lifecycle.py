@@ -24,7 +24,7 @@ import pytest
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.worker import processes
 from kcoral.worker.state import cuda_view_mismatch
-from tests.conftest import BrokerFactory, RunningBroker, start_broker
+from tests.helpers import BrokerFactory, RunningBroker, start_broker
 
 TOKEN = f"kclc{secrets.token_hex(3)}"  # the comm name of every process a test program starts
 MEMORY_LIMIT = 1 << 30

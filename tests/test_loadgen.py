@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.loadgen import main, parse_mix
-from tests.conftest import RunningBroker
+from tests.helpers import RunningBroker
 
 
 def test_the_mix_reads_kinds_parameters_and_weights() -> None:

@@ -19,7 +19,7 @@ import zmq
 
 from kcoral import Client, Program, protocol
 from kcoral.testing import RunningService, start_router
-from tests.conftest import start_broker
+from tests.helpers import start_broker
 
 pytestmark = pytest.mark.timeout(120)
 

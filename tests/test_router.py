@@ -24,7 +24,7 @@ import zmq.asyncio
 from kcoral import AsyncClient, Client, KCoralError, Program, protocol
 from kcoral.testing import RunningService as RunningRouter
 from kcoral.testing import start_router
-from tests.conftest import BrokerFactory, RunningBroker
+from tests.helpers import BrokerFactory, RunningBroker
 
 pytestmark = pytest.mark.timeout(60)
 

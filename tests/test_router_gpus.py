@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from kcoral import AsyncClient, Client, KCoralError, Program, ProgramResult
-from tests.conftest import BrokerFactory
+from tests.helpers import BrokerFactory
 from tests.test_router import RunningRouter, router_factory, wait_live
 
 __all__ = ["router_factory"]  # the fixture, used by name below

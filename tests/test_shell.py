@@ -18,7 +18,7 @@ from kcoral import protocol
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.service.tasks import TaskSet, cancel_and_wait
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kcoral import Client, KCoralError, Program, ProgramResult
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 pytestmark = pytest.mark.timeout(120)
 

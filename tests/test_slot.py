@@ -26,7 +26,7 @@ import pytest
 
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 try:
     check_bwrap()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kcoral import Client, Program
-from tests.conftest import BrokerFactory
+from tests.helpers import BrokerFactory
 
 SLEEPER = """
 import time

@@ -23,7 +23,7 @@ import pytest
 
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from kcoral.tools import service_side
-from tests.conftest import BrokerFactory, RunningBroker, free_port, start_broker
+from tests.helpers import BrokerFactory, RunningBroker, free_port, start_broker
 
 ADAPTER_TIMEOUT_S = 60.0  # a bound for one adapter run, never reached when things work
 

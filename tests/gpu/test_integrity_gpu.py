@@ -1,4 +1,4 @@
-"""The reward hacks of ``benchmarks/integrity_attacks.py`` against a real broker (GPU host).
+"""The reward hacks of ``tests/gpu/attacks/`` against a real broker (GPU host).
 
 Each attack must be reported within 10% of the honest time for the same work, or fail with
 ``integrity``, or read ``suspect``, or fail its check (``correctness`` in benchmark(), or the trusted
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import integrity_attacks as attacks
 from kcoral import Client
-from tests.conftest import RunningBroker, start_broker
+from tests.gpu.attacks import CATALOGUE, Attack
+from tests.gpu.attacks import outcomes as attacks
+from tests.helpers import RunningBroker, start_broker
 
 torch = pytest.importorskip("torch")
 
@@ -74,8 +75,8 @@ def attack_client(attack_broker: RunningBroker) -> Iterator[Client]:
         yield client
 
 
-@pytest.mark.parametrize("attack", attacks.CATALOGUE, ids=[attack.name for attack in attacks.CATALOGUE])
-def test_attack_is_caught(attack: attacks.Attack, attack_client: Client, attack_broker: RunningBroker) -> None:
+@pytest.mark.parametrize("attack", CATALOGUE, ids=[attack.name for attack in CATALOGUE])
+def test_attack_is_caught(attack: Attack, attack_client: Client, attack_broker: RunningBroker) -> None:
     outcome = attacks.run_attack(attack_client, attack_broker.url, attack)
     _outcomes.append(outcome)
     _write_table()

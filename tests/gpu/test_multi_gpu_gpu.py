@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kcoral import AsyncClient, Client, Program, ProgramResult
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 torch = pytest.importorskip("torch")
 

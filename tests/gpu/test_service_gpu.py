@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kcoral import Client, Program, ProgramResult
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 torch = pytest.importorskip("torch")
 
