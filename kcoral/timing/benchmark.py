@@ -2,24 +2,32 @@
 
 The steps, and which module holds each: the config (``timing.config``); the trusted state armed
 before uploaded code ran (``timing.trust``); the inputs of each call and the sample of outputs
-checked (``timing.inputs``); the runner and the timed loop (``timing.calls``); the two timers (``timing.timers``);
+checked (``timing.inputs``); what runs before the counted calls (``timing.calibrate``); the runner
+and the timed loop (``timing.calls``); the two timers (``timing.timers``);
 attribution of GPU work to calls by time window (``timing.windows``); the clock (``timing.nvml``);
 the ``integrity`` section (``timing.findings``). ``kcoral.builtins`` re-exports ``benchmark``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
-from kcoral.timing.calls import Runner
-from kcoral.timing.config import ESTIMATE_CALLS, BenchmarkConfig, split_config
-from kcoral.timing.cupti import CuptiUnavailable
+from kcoral.timing.calibrate import (
+    DefenceTime,
+    calibrate,
+    check_subscriber,
+    choose_timer,
+    fail_on_changes,
+    import_torch_with_gpu,
+    is_cupti_failure,
+    warm_up,
+)
+from kcoral.timing.config import BenchmarkConfig, split_config
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
     MODE_ROTATED,
@@ -34,56 +42,15 @@ from kcoral.timing.inputs import (
     keep_outputs_always,
     plan_inputs,
     snapshot,
-    versions,
 )
-from kcoral.timing.nvml import (
-    CLOCK_SAMPLE_INTERVAL_S,
-    SLOWDOWN_MASK,
-    Nvml,
-    clock_is_steady,
-    clock_state,
-    throttle_reason_names,
-)
+from kcoral.timing.nvml import SLOWDOWN_MASK, Nvml, clock_state, throttle_reason_names
 from kcoral.timing.stats import count_from_budget, summarize
-from kcoral.timing.timers import (
-    UNHELD_MEASURE,
-    UNHELD_STATE,
-    CuptiTimer,
-    EventTimer,
-    Measurement,
-    initial_hold_us,
-)
-from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes, ensure_tracer, verify
+from kcoral.timing.timers import UNHELD_MEASURE, CuptiTimer, EventTimer, Measurement
+from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes
+
+__all__ = ["DefenceTime", "benchmark", "measure"]
 
 DEFENCES_OFF_REASON: Final = "the integrity defences were turned off (config defences=False)"
-
-
-@dataclass
-class DefenceTime:
-    """The wall time benchmark() spends in its defences, by step, on the trusted clock.
-
-    Reported in ``integrity_details["defences_ms"]`` beside the report's ``wall_ms``: what the
-    defences cost each measurement, timed where it is spent. Timing benchmark() with the defences
-    on and off instead measured noise: its wall time moves by 30% from one call to the next on the
-    H200 (the clock warm-up and the hold fit adapt), ten times what the defences take.
-    """
-
-    clock: Callable[[], float]
-    steps_ms: dict[str, float] = field(default_factory=dict)
-
-    @contextlib.contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        began = self.clock()
-        try:
-            yield
-        finally:
-            self.add(name, (self.clock() - began) * 1e3)
-
-    def add(self, name: str, ms: float) -> None:
-        self.steps_ms[name] = self.steps_ms.get(name, 0.0) + ms
-
-    def report(self) -> dict[str, float]:
-        return {"total": round(sum(self.steps_ms.values()), 3), **{k: round(v, 3) for k, v in self.steps_ms.items()}}
 
 
 @dataclass
@@ -92,89 +59,6 @@ class BenchmarkRun:
 
     report: dict[str, Any]
     kept: list[KeptOutput] = field(default_factory=list)
-
-
-def _import_torch_with_gpu(state: ArmedState) -> Any:
-    torch = state.trusted.torch
-    if torch is None:
-        try:
-            import torch
-        except Exception as exc:
-            raise ExecutionError(
-                "unavailable", f"benchmark needs PyTorch with CUDA; torch is not importable: {exc}"
-            ) from exc
-    if not torch.cuda.is_available():
-        raise ExecutionError(
-            "unavailable",
-            "benchmark needs a CUDA GPU, and torch.cuda.is_available() is False on this host "
-            "(no GPU assigned to this program, or a CPU-only torch build)",
-        )
-    if state.trusted.synchronize is None:
-        raise ExecutionError("unavailable", "torch was not imported when the timer was armed")
-    return torch
-
-
-def _warm_clock(
-    runner: Runner, nvml: Nvml | None, budget_ms: float, launch_ms: list[float]
-) -> tuple[bool | None, float, list[float]]:
-    """Run the call until the SM clock is steady or the budget is spent.
-
-    Returns (steady, milliseconds spent, wall time of each iteration in ms); steady is None when
-    NVML cannot read the clock or the budget is zero. Each call's host launch time is appended to
-    ``launch_ms``.
-    """
-    if nvml is None or budget_ms <= 0 or nvml.sm_clock_mhz() is None:
-        return None, 0.0, []
-    perf_counter = runner.trusted.perf_counter
-    began = perf_counter()
-    deadline = began + budget_ms / 1e3
-    next_sample = began
-    samples: list[float] = []
-    iterations: list[float] = []
-    steady = False
-    while True:
-        tick = perf_counter()
-        launch_ms.append(runner.iteration())
-        now = perf_counter()
-        iterations.append((now - tick) * 1e3)
-        if now >= next_sample:
-            clock = nvml.sm_clock_mhz()
-            if clock is not None:
-                samples.append(float(clock))
-            next_sample = now + CLOCK_SAMPLE_INTERVAL_S
-            if clock_is_steady(samples):
-                steady = True
-                break
-        if now >= deadline:
-            break
-    return steady, (perf_counter() - began) * 1e3, iterations
-
-
-def _choose_timer(method: str, state: ArmedState) -> tuple[CuptiTimer | EventTimer, str | None]:
-    """CUPTI wherever it worked at arm; CUDA events only where it never did, or when asked."""
-    if method == "cuda_event":
-        return EventTimer(), None
-    try:
-        tracer = ensure_tracer(state)
-    except CuptiUnavailable as exc:
-        raise ExecutionError("integrity", f"CUPTI imported when the worker started but fails now: {exc}") from exc
-    if tracer is None:
-        if method == "cupti":
-            raise ExecutionError("unavailable", f"CUPTI timing was requested but is unavailable: {state.cupti_error}")
-        return EventTimer(), state.cupti_error
-    return CuptiTimer(tracer), None
-
-
-def _is_cupti_failure(exc: BaseException) -> bool:
-    """True when the exception came from CUPTI rather than from the user's function."""
-    module = type(exc).__module__ or ""
-    return module.startswith("cupti")
-
-
-def _fail_on_changes(state: ArmedState, when: str) -> None:
-    changes = verify(state)
-    if changes:
-        raise ExecutionError("integrity", f"the timer's state changed {when}: {describe_changes(changes)}")
 
 
 def benchmark(
@@ -253,19 +137,15 @@ def measure(
     state = armed()
     began = state.trusted.perf_counter()
     spent = DefenceTime(state.trusted.perf_counter)
-    torch = _import_torch_with_gpu(state)
+    torch = import_torch_with_gpu(state)
     defences = settings.defences
     if defences:
         with spent.step("trusted_state"):
-            _fail_on_changes(state, "since the worker started (before the measurement)")
-    timer, cupti_error = _choose_timer(settings.method, state)
-    if defences and isinstance(timer, CuptiTimer) and state.tracer is not None:
+            fail_on_changes(state, "since the worker started (before the measurement)")
+    timer, cupti_error = choose_timer(settings.method, state)
+    if defences:
         with spent.step("trusted_state"):
-            subscriber = state.tracer.foreign_subscriber()
-        if subscriber is not None:
-            raise ExecutionError(
-                "integrity", f"a CUPTI callback subscription is held by someone other than the timer: {subscriber}"
-            )
+            check_subscriber(state, timer)
     if defences:
         with spent.step("inputs"):
             plan = plan_inputs(torch, call_args, inputs)
@@ -276,7 +156,7 @@ def measure(
     except ExecutionError:
         raise
     except Exception as exc:
-        if isinstance(timer, CuptiTimer) and _is_cupti_failure(exc):
+        if isinstance(timer, CuptiTimer) and is_cupti_failure(exc):
             raise ExecutionError(
                 "integrity", f"CUPTI worked when the worker started but failed during the measurement: {exc!r}"
             ) from exc
@@ -303,57 +183,16 @@ def _run(
     trusted = state.trusted
     defences = settings.defences
     device = torch.cuda.current_device()
-    runner = Runner(trusted, fn, plan, settings.flush_l2)
     nvml = Nvml.open(torch, device)
-
-    # The first call pays one-off costs (compilation, autotuning, handles); keep it out of the probe.
-    # It also tells whether the call writes its inputs (then its outputs are not checked).
-    _, first_inputs = runner.next_inputs()
-    with spent.step("inputs"):
-        before_call = versions(torch, first_inputs)
-    tick = trusted.perf_counter()
-    runner.call(first_inputs)
-    launch_ms = [(trusted.perf_counter() - tick) * 1e3]
-    runner.synchronize()
-    with spent.step("inputs"):
-        writes_inputs = versions(torch, first_inputs) != before_call
-    check_again = defences and plan.mode == MODE_ROTATED and check is None and not writes_inputs
-    if writes_inputs and plan.mode == MODE_ROTATED:
-        plan.note = "the call writes its inputs: outputs not checked"
-    del first_inputs
-    timer.probe(runner)
-
-    clock_steady, clock_warmup_ms, iteration_ms = _warm_clock(runner, nvml, settings.clock_warmup_ms, launch_ms)
-    if len(iteration_ms) < ESTIMATE_CALLS:
-        for _ in range(ESTIMATE_CALLS - len(iteration_ms)):
-            tick = trusted.perf_counter()
-            launch_ms.append(runner.iteration())
-            iteration_ms.append((trusted.perf_counter() - tick) * 1e3)
-
-    hold_us = 0.0
-    hold_state = "off: launch_hold is false"
-    cycles_per_us = runner.spin_cycles_per_us() if settings.launch_hold else None
-    if cycles_per_us:
-        hold_us, hold_state = timer.fit_hold(runner, initial_hold_us(launch_ms[1:] or launch_ms), cycles_per_us)
-    elif settings.launch_hold:
-        hold_state = "off: torch has no spin kernel (torch.cuda._sleep)"
-    hold_cycles = int(hold_us * cycles_per_us) if cycles_per_us else 0
-
-    # The median of the latest iterations: early ones can still include clock ramp-up.
-    per_call_ms = float(statistics.median(iteration_ms[-max(ESTIMATE_CALLS, len(iteration_ms) // 2) :]))
-    per_call_ms += hold_us / 1e3
-    warmup = (
-        settings.warmup
-        if settings.warmup is not None
-        else count_from_budget(settings.warmup_ms, per_call_ms, minimum=1)
-    )
+    ready = calibrate(trusted, torch, fn, plan, timer, nvml, settings, spent)
+    runner = ready.runner
+    check_again = defences and plan.mode == MODE_ROTATED and check is None and not ready.writes_inputs
+    warmup = warm_up(ready, settings)
     repeat = (
         settings.repeat
         if settings.repeat is not None
-        else count_from_budget(settings.repeat_ms, per_call_ms, minimum=1)
+        else count_from_budget(settings.repeat_ms, ready.per_call_ms, minimum=1)
     )
-    for _ in range(warmup):
-        runner.iteration()
 
     checking = defences and (check is not None or check_again or keep_outputs_always(plan))
     reservoir = OutputReservoir(keep_outputs if checking else 0, trusted.randbelow)
@@ -363,8 +202,7 @@ def _run(
         with spent.step("environment"):
             now_us = int(time.time() * 1e6)
             watch = EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, now_us)
-    hold_ns = int(hold_us * 1e3) if hold_cycles else 0
-    unheld = hold_state.startswith(UNHELD_STATE)
+    hold_cycles, hold_ns, unheld = ready.hold_cycles, ready.hold_ns, ready.unheld
     if defences:
         with QuietInterpreter(trusted):
             measurement, after = timer.measure(
@@ -379,7 +217,7 @@ def _run(
             reasons.extend(watch.finish())
     if defences:
         with spent.step("trusted_state"):
-            _fail_on_changes(state, "during the measurement")
+            fail_on_changes(state, "during the measurement")
             flush_changed = runner.flush_state() != runner.flush_shape
         if flush_changed:
             raise ExecutionError("integrity", "the timer's L2 flush buffer was changed during the measurement")
@@ -423,11 +261,11 @@ def _run(
             "method": timer.method,
             "latency_ms_median_by": measurement.by_estimate,
             "latency_measure": UNHELD_MEASURE if unheld and isinstance(timer, CuptiTimer) else "span",
-            "launch_hold": hold_state,
-            "launch_hold_us": round(hold_us, 1) if hold_cycles else 0.0,
+            "launch_hold": ready.hold_state,
+            "launch_hold_us": round(ready.hold_us, 1) if hold_cycles else 0.0,
             "launch_late_calls": measurement.late_calls,
-            "clock_steady": clock_steady,
-            "clock_warmup_ms": round(clock_warmup_ms, 3),
+            "clock_steady": ready.clock_steady,
+            "clock_warmup_ms": round(ready.clock_warmup_ms, 3),
             "sm_clock_mhz_before": before["sm_clock_mhz"],
             "sm_clock_mhz_after": after["sm_clock_mhz"],
             "throttle_reasons_before": throttle_reason_names(before["reasons"]),
