@@ -1,7 +1,7 @@
 """How ``kcoral.builtins.benchmark`` measures a call on the GPU.
 
-The public face is ``kcoral.builtins`` (``benchmark`` and its config); this package holds the
-machinery, one role per module:
+The public face is ``kcoral.builtins`` (``benchmark``, ``compare`` and their configs); this package
+holds the machinery, one role per module:
 
 - ``timing.config``: the config keys, defaults and limits.
 - ``timing.trust``: the trusted state, armed before uploaded code runs, and its checks.
@@ -14,7 +14,14 @@ machinery, one role per module:
 - ``timing.timers``: the two timers (CUPTI, CUDA events) that turn the timed loop into latencies.
 - ``timing.findings``: the report's ``integrity`` section (verdict and reasons).
 - ``timing.stats``: pure arithmetic on latencies and counts.
+- ``timing.calibrate``: what runs before the counted calls (timer choice, trusted-state check, first
+  call, probe, clock warm-up, hold fit, warm-up), shared by ``benchmark`` and ``compare``.
 - ``timing.benchmark``: ``benchmark`` itself, which puts these together.
+- ``timing.conditions``: the GPU's temperature, clocks, power and utilisation, and the wait for a
+  cool, idle GPU.
+- ``timing.ab_config``, ``timing.ab_stats``: ``compare``'s settings and its statistics (paired
+  rounds, the bootstrap interval of B/A, the verdict, the adaptive stop; pure).
+- ``timing.compare``: ``compare``, A against B in interleaved rounds with ``benchmark``'s defences.
 
 Like ``kcoral.builtins``, nothing here imports torch, cupti-python or pynvml at module level: uploaded
 code imports ``kcoral.builtins``, which must stay cheap and must not initialise CUDA.

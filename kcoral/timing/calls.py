@@ -170,6 +170,7 @@ def timed_calls(
     base: int = 0,
     hold_ns: int = 0,
     reservoir: OutputReservoir | None = None,
+    after_call: Callable[[], None] | None = None,
 ) -> TimedCalls:
     """Run ``count`` calls, each in its own window between two device-wide synchronisations.
 
@@ -178,7 +179,9 @@ def timed_calls(
     the host records the start event and launches the call behind it; the call; the end event; a
     synchronisation and the window's end. The previous call's output and inputs are let go inside
     the next window, so whatever their release sets off is counted. A sample of outputs is
-    snapshotted after the window (``reservoir``).
+    snapshotted after the window (``reservoir``). ``after_call``, when given, runs after each
+    window, before anything else of the gap (``compare`` reads the SM clock there: host work
+    only, it launches nothing).
     """
     event = runner.trusted.event
     clock = tracer.timestamp if tracer is not None else runner.clock_ns
@@ -221,6 +224,8 @@ def timed_calls(
             runner.synchronize()
             end_ns = clock()
             windows.append(CallWindow(index, begin_ns, call_ns, return_ns, end_ns, hold_ns))
+            if after_call is not None:
+                after_call()
             if reservoir is not None:
                 slot = reservoir.slot_for_next()
                 if slot is not None:

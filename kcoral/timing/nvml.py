@@ -126,6 +126,37 @@ class Nvml:
                 busy[pid] = max(busy.get(pid, 0), sm)
         return busy
 
+    def max_sm_clock_mhz(self) -> int | None:
+        try:
+            return int(self._nvml.nvmlDeviceGetMaxClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+        except (self._nvml.NVMLError, AttributeError):
+            return None
+
+    def memory_clock_mhz(self) -> int | None:
+        try:
+            return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_MEM))
+        except (self._nvml.NVMLError, AttributeError):
+            return None
+
+    def temperature_c(self) -> int | None:
+        try:
+            return int(self._nvml.nvmlDeviceGetTemperature(self._handle, self._nvml.NVML_TEMPERATURE_GPU))
+        except (self._nvml.NVMLError, AttributeError):
+            return None
+
+    def utilization_pct(self) -> int | None:
+        """The share of the last sample period (1/6 s to 1 s) in which a kernel ran, any process's."""
+        try:
+            return int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+        except (self._nvml.NVMLError, AttributeError):
+            return None
+
+    def power_w(self) -> float | None:
+        try:
+            return round(int(self._nvml.nvmlDeviceGetPowerUsage(self._handle)) / 1000, 1)
+        except (self._nvml.NVMLError, AttributeError):
+            return None
+
     def clock_event_reasons(self) -> int | None:
         for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
             getter = getattr(self._nvml, name, None)
@@ -134,6 +165,16 @@ class Nvml:
             with contextlib.suppress(self._nvml.NVMLError):
                 return int(getter(self._handle))
         return None
+
+
+def sample_left_out(sm_clock_mhz: int | None, reasons: int | None, floor_mhz: float | None) -> str | None:
+    """Why a sample taken at this clock and clock-event mask is left out (``throttled``,
+    ``below_clock_floor``), or None to keep it. A reading NVML could not give keeps the sample."""
+    if reasons is not None and reasons & SLOWDOWN_MASK:
+        return "throttled"
+    if sm_clock_mhz is not None and floor_mhz is not None and sm_clock_mhz < floor_mhz:
+        return "below_clock_floor"
+    return None
 
 
 def clock_state(nvml: Nvml | None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -61,6 +61,8 @@ class Measurement:
     details: dict[str, Any] = field(default_factory=dict)
     kept: list[KeptOutput] = field(default_factory=list)
     first_input_index: int = 0
+    # The index of the timed call each sample came from (calls that launched nothing have none).
+    indices: list[int] = field(default_factory=list)
 
 
 def _timings(tracer: CuptiTracer, calls: TimedCalls, base: int) -> tuple[WindowTimings, list[str]]:
@@ -146,6 +148,7 @@ class CuptiTimer:
         hold_ns: int = 0,
         reservoir: OutputReservoir | None = None,
         busy: bool = False,
+        after_call: Callable[[], None] | None = None,
     ) -> tuple[Measurement, dict[str, Any]]:
         """Time ``repeat`` calls. ``busy``: report each call's busy time (the union of its activities)
         rather than its span, for calls whose work no hold could hold (see ``UNHELD_MEASURE``)."""
@@ -158,6 +161,7 @@ class CuptiTimer:
             base=base,
             hold_ns=hold_ns,
             reservoir=reservoir,
+            after_call=after_call,
         )
         after = clock_state(nvml)
         timings, record_errors = _timings(self._tracer, calls, base)
@@ -204,6 +208,7 @@ class CuptiTimer:
                 details=details,
                 kept=list(reservoir.kept) if reservoir is not None else [],
                 first_input_index=calls.first_input_index,
+                indices=list(timings.indices),
             ),
             after,
         )
@@ -276,8 +281,11 @@ class EventTimer:
         hold_ns: int = 0,
         reservoir: OutputReservoir | None = None,
         busy: bool = False,
+        after_call: Callable[[], None] | None = None,
     ) -> tuple[Measurement, dict[str, Any]]:
-        calls = timed_calls(runner, repeat, hold_cycles=hold_cycles, hold_ns=hold_ns, reservoir=reservoir)
+        calls = timed_calls(
+            runner, repeat, hold_cycles=hold_cycles, hold_ns=hold_ns, reservoir=reservoir, after_call=after_call
+        )
         after = clock_state(nvml)
         host_ms = [
             (
@@ -296,6 +304,7 @@ class EventTimer:
             host_ms=host_ms,
             kept=list(reservoir.kept) if reservoir is not None else [],
             first_input_index=calls.first_input_index,
+            indices=list(range(len(calls.event_ms))),
         )
         return measurement, after
 

@@ -55,7 +55,12 @@ WATCHED_MODULES: Final = (
     "kcoral.timing.inputs",
     "kcoral.timing.calls",
     "kcoral.timing.timers",
+    "kcoral.timing.calibrate",
     "kcoral.timing.benchmark",
+    "kcoral.timing.conditions",
+    "kcoral.timing.ab_stats",
+    "kcoral.timing.ab_config",
+    "kcoral.timing.compare",
     "kcoral.builtins",
 )
 # Watched too where already imported at arm: the candidate's process of ``kcoral remote`` runs
@@ -100,6 +105,15 @@ WATCHED_FOREIGN: Final = (
     ("pynvml", "nvmlDeviceGetProcessUtilization"),
     ("pynvml", "nvmlDeviceGetComputeRunningProcesses"),
     ("pynvml", "nvmlDeviceGetClockInfo"),
+    ("pynvml", "nvmlDeviceGetMaxClockInfo"),
+    ("pynvml", "nvmlDeviceGetCurrentClocksEventReasons"),
+    ("pynvml", "nvmlDeviceGetCurrentClocksThrottleReasons"),
+    ("numpy", "sort"),
+    ("numpy", "quantile"),
+    ("numpy", "asarray"),
+    ("numpy", "random.Generator"),
+    ("numpy", "random.PCG64"),
+    ("statistics", "median_grouped"),
 )
 WATCHED_BUILTINS: Final = (
     "min", "max", "sorted", "sum", "len", "isinstance", "range", "float", "int", "list", "dict",

@@ -1,0 +1,199 @@
+"""compare() end to end on the CPU, through the simulated timers of test_benchmark_simulated: the
+tracer records each timed call with the duration the callable scripts (seeded noise), and NVML is
+a stand-in whose clock and throttle reasons the test sets, so the rounds, the interval, the
+verdict, the adaptive stop, the clock filter and the report's fields are checked exactly."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kcoral.builtins import compare
+from kcoral.errors import ExecutionError
+from kcoral.timing.cupti import EXTERNAL_ID_BLOCK, HOLD_ID_OFFSET, Activity
+from kcoral.timing.nvml import Nvml
+from tests.test_benchmark_simulated import SimulatedTracer, simulated_gpu  # noqa: F401  (the fixture)
+
+torch = pytest.importorskip("torch")
+
+FAST = {"clock_warmup_ms": 0, "warmup_ms": 0, "block": 4, "min_rounds": 8, "budget_ms": 5000, "seed": 11}
+
+
+class ScriptedTracer(SimulatedTracer):
+    """A timed call's kernel lasts what the callable asked for (``next_ns``), with seeded noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Lists, changed in place: the tracer's own attributes are watched by the trusted state.
+        self.next_ns: list[int] = []
+        self.rng = random.Random(5)
+        self.noise = [0.002]
+
+    def pop(self) -> int | None:
+        external_id, started = self._stack[-1]
+        scripted = self.next_ns[0] if self.next_ns else None
+        if scripted is None or not self._enabled or external_id % EXTERNAL_ID_BLOCK >= HOLD_ID_OFFSET:
+            return super().pop()
+        self._stack.pop()
+        self.next_ns.clear()
+        duration = max(1, int(scripted * (1 + self.rng.gauss(0, self.noise[0]))))
+        correlation = next(self._correlations)
+        self._records.activities.append(Activity("concurrent_kernel", correlation, started, started + duration, "k"))
+        self._records.external[correlation] = external_id
+        return self.popped_wrong[0] if self.popped_wrong else external_id
+
+
+class FakeNvml:
+    """NVML as the test scripts it: a clock and reasons for each reading, the rest fixed."""
+
+    def __init__(self) -> None:
+        self.clock = 1980
+        self.reasons = 0
+        self.script: list[tuple[int, int]] = []  # (clock, reasons) per reading, then the fixed ones
+
+    def sm_clock_mhz(self) -> int:
+        return self.script[0][0] if self.script else self.clock
+
+    def clock_event_reasons(self) -> int:
+        if self.script:
+            return self.script.pop(0)[1]
+        return self.reasons
+
+    def max_sm_clock_mhz(self) -> int:
+        return 1980
+
+    def memory_clock_mhz(self) -> int:
+        return 3201
+
+    def temperature_c(self) -> int:
+        return 41
+
+    def utilization_pct(self) -> int:
+        return 0
+
+    def power_w(self) -> float:
+        return 120.0
+
+    def running_pids(self) -> set[int] | None:
+        return None
+
+    def busy_pids(self, since_us: int) -> dict[int, int] | None:
+        return None
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[tuple[ScriptedTracer, FakeNvml]]:
+    nvml = FakeNvml()
+    # Before the simulated state's snapshot is taken, so that the stand-in is part of it.
+    monkeypatch.setattr(Nvml, "open", classmethod(lambda cls, torch, device: nvml))
+    monkeypatch.setattr("tests.test_benchmark_simulated.SimulatedTracer", ScriptedTracer)
+    tracer = request.getfixturevalue("simulated_gpu")
+    assert isinstance(tracer, ScriptedTracer)
+    yield tracer, nvml
+
+
+def kernel(tracer: ScriptedTracer, ns: int) -> Any:
+    def call(x: Any) -> Any:
+        tracer.next_ns[:] = [ns]
+        return x * 2
+
+    return call
+
+
+def test_a_kernel_against_itself_is_same(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, _ = gpu
+    a = kernel(tracer, 500_000)
+    result = compare(a, a, torch.ones(256), config=FAST)
+    assert result["verdict"] == "same", result
+    assert result["contains_one"] and result["ratio_low"] <= 1.0 <= result["ratio_high"]
+    assert result["stop"]["reason"] == "target" and result["halfwidth"] <= 0.002
+    assert result["integrity"] == {"verdict": "ok", "reasons": []}
+    for side in ("a", "b"):
+        assert result[side]["latency_ms_median"] == pytest.approx(0.5, rel=0.01)
+        assert result[side]["samples"] == result["rounds"] * 2 * FAST["block"]
+        assert result[side]["noise"] is not None and result[side]["outputs_checked"] >= 1
+    assert result["order"] == "abba" and result["block_orders"] == {
+        "ABBA": result["rounds"] + result["rounds_left_out"]
+    }
+    assert result["seed"] == 11 and result["method"] == "cupti"
+    assert result["conditions_before"]["temperature_c"] == 41
+    assert result["conditions_before"]["max_sm_clock_mhz"] == 1980
+
+
+def test_three_percent_more_work_is_slower_and_less_is_faster(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, _ = gpu
+    base = kernel(tracer, 500_000)
+    slower = compare(base, kernel(tracer, 515_000), torch.ones(256), config=FAST)
+    assert slower["verdict"] == "slower" and slower["ratio_low"] > 1.005, slower
+    assert slower["ratio"] == pytest.approx(1.03, rel=0.005)
+    assert slower["ratio_of_medians"] == pytest.approx(slower["ratio"], rel=0.005)
+    faster = compare(base, kernel(tracer, 333_000), torch.ones(256), config={**FAST, "order": "shuffled"})
+    assert faster["verdict"] == "faster" and faster["ratio_high"] < 1, faster
+    assert all(sorted(order) == list("AABB") for order in faster["block_orders"])
+
+
+def test_noise_that_does_not_settle_ends_on_the_budget_unclear(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, _ = gpu
+    tracer.noise[0] = 0.3
+    result = compare(
+        kernel(tracer, 500_000),
+        kernel(tracer, 502_000),
+        torch.ones(256),
+        config={**FAST, "budget_ms": 150, "min_rounds": 4, "target_halfwidth": 0.0001},
+    )
+    assert result["stop"]["reason"] == "budget" and result["verdict"] == "unclear"
+    assert result["stop"]["halfwidth_at_stop"] > 0.0001
+
+
+def test_throttled_samples_are_left_out_and_counted(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, nvml = gpu
+    # The first 24 readings: power capped; the next 24 at a clock under the floor; then steady.
+    nvml.script = [(1980, 0x4)] * 24 + [(1200, 0)] * 24
+    a = kernel(tracer, 500_000)
+    result = compare(a, a, torch.ones(256), config=FAST)
+    left = result["clock"]["samples_left_out"]
+    # Each block's own clock reading after it takes one of the scripted ones too.
+    assert 16 <= left["throttled"] <= 24 and 16 <= left["below_clock_floor"] <= 24, result["clock"]
+    calls = (result["rounds"] + result["rounds_left_out"]) * 4 * FAST["block"]
+    assert result["clock"]["samples_used"] + sum(left.values()) == calls
+    assert result["a"]["left_out"] and result["b"]["left_out"]
+    assert result["clock"]["floor_mhz"] == pytest.approx(0.75 * 1980)
+    assert result["clock"]["sm_clock_mhz_median"] == 1980
+
+
+def test_a_gpu_that_never_holds_its_clock_is_suspect_never_faster(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, nvml = gpu
+    nvml.reasons = 0  # every other reading power capped: half the samples left out
+    nvml.script = [(1980, 0x4 if i % 2 else 0) for i in range(4000)]
+    result = compare(
+        kernel(tracer, 500_000), kernel(tracer, 300_000), torch.ones(256), config={**FAST, "budget_ms": 400}
+    )
+    assert result["integrity"]["verdict"] == "suspect"
+    assert any("did not hold a steady clock" in reason for reason in result["integrity"]["reasons"])
+    assert result["verdict"] == "unclear" and result["verdict_if_trusted"] == "faster"
+
+
+def test_a_wrong_output_when_timed_fails_the_check(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, _ = gpu
+    last: dict[str, Any] = {}
+
+    def stale(x: Any) -> Any:
+        tracer.next_ns[:] = [100_000]
+        timed = any(frame.function == "timed_calls" for frame in __import__("inspect").stack())
+        if timed and "out" in last:
+            return last["out"]
+        last["out"] = x * 2
+        return last["out"]
+
+    with pytest.raises(ExecutionError) as caught:
+        compare(kernel(tracer, 500_000), stale, torch.ones(256), config=FAST)
+    assert caught.value.kind == "correctness"
+
+
+def test_a_bad_config_is_a_parse_error(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    with pytest.raises(ExecutionError) as caught:
+        compare(lambda: None, lambda: None, config={"repeat": 5})
+    assert caught.value.kind == "parse" and "repeat" in caught.value.message
