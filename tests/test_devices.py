@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.broker.devices import GpuNode, gpu_nodes, normalize_bus_id, parse_information, read_information_files
 from kcoral.broker.target import number_gpus
-from kcoral.sandbox.devices import GpuNode, gpu_nodes, normalize_bus_id, parse_information, read_information_files
 
 # As /proc/driver/nvidia/gpus/<bus id>/information reads on an H200 host (driver 570 and later);
 # the tabs and spacing are the driver's.

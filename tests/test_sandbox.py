@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.broker.launch import Bubblewrap
 from kcoral.sandbox import bubblewrap as sandbox
 from kcoral.sandbox.bubblewrap import (
     SANDBOX_ENV,
@@ -24,7 +25,6 @@ from kcoral.sandbox.bubblewrap import (
     sandbox_argv,
     sandbox_environment,
 )
-from kcoral.sandbox.launcher import Bubblewrap
 
 try:
     BWRAP = check_bwrap()
@@ -501,7 +501,10 @@ def test_check_bwrap_with_gpus_says_when_the_capabilities_are_refused(tmp_path: 
 def test_every_slot_gets_every_gpu_node_and_its_zygote_the_index_to_node_map(
     slots: Slots, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from kcoral.broker.launch import slot_specs
+    from kcoral.broker.settings import BrokerSettings
     from kcoral.broker.target import GpuInfo, TargetInfo
+    from kcoral.protocol.zygote_link import ZYGOTE_MODULE, ZygoteSettings
 
     launcher = Bubblewrap(
         bwrap=BWRAP,
@@ -522,11 +525,21 @@ def test_every_slot_gets_every_gpu_node_and_its_zygote_the_index_to_node_map(
         argv = launcher.wrap(zygote, slot=slot, workspace=slots.workspace, gpu_nodes=fake)
         dev_binds = [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == "--dev-bind"]
         assert dev_binds == [(str(fake[0].source), "/dev/nvidia0"), (str(fake[1].source), "/dev/nvidia1")]
-        assert argv[-2:] == ["--gpu-nodes", json.dumps({"0": "/dev/nvidia0", "1": "/dev/nvidia1"})]
         assert "--cap-add" in argv
+    # The zygote is told the index -> node map in its settings (slot_specs gives every slot the same).
+    specs = slot_specs(
+        BrokerSettings(fake_gpus=2, sandbox="bubblewrap", cache_dir=slots.blob_dir),
+        TargetInfo("cpu", (), 2),
+        slots.root / "run",
+        "ipc:///tmp/workers.sock",
+    )
+    for spec in specs:
+        told = ZygoteSettings.from_argv(spec.argv[spec.argv.index(ZYGOTE_MODULE) + 1 :])
+        assert told.gpu_nodes == {0: "/dev/nvidia0", 1: "/dev/nvidia1"} and told.sandboxed
+        assert told.workspace == Path("/workspace") and told.slot == spec.slot
     # Real GPUs: the driver's minor names the node (GPU 0 is /dev/nvidia1 here); one without a
     # known minor gets none.
-    monkeypatch.setattr("kcoral.sandbox.launcher.check_bwrap", lambda *a, **k: BWRAP)  # checked above
+    monkeypatch.setattr("kcoral.broker.launch.check_bwrap", lambda *a, **k: BWRAP)  # checked above
     real = TargetInfo(
         "gpu",
         (
@@ -541,7 +554,7 @@ def test_every_slot_gets_every_gpu_node_and_its_zygote_the_index_to_node_map(
         1: ("/dev/nvidia0", "/dev/nvidia0"),
     }
     # Without a sandbox nothing is bound or confined: CUDA_VISIBLE_DEVICES picks a program's GPUs.
-    from kcoral.sandbox.launcher import Unsandboxed
+    from kcoral.broker.launch import Unsandboxed
 
     assert Unsandboxed().gpu_binds(real) == {}
     assert Unsandboxed().wrap(zygote, slot=0, workspace=slots.workspace, gpu_nodes={}) == zygote

@@ -22,9 +22,10 @@ from kcoral import protocol
 from kcoral.broker.leases import LeaseTable
 from kcoral.broker.requests import Request, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor, WorkerExit
+from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor
 from kcoral.broker.worker_messages import WorkerMessages
 from kcoral.broker.workers import WORKER_EXIT_GRACE_SECONDS, WorkerPool
+from kcoral.protocol.zygote_link import WorkerExit
 from kcoral.service.shell import InFlightTable
 from tests.links import Link, loopback_link
 

@@ -8,8 +8,9 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from kcoral.broker.supervisor import SlotSpec, SlotState, WorkerExit
+from kcoral.broker.supervisor import SlotSpec, SlotState
 from kcoral.broker.workers import WorkerPool
+from kcoral.protocol.zygote_link import WorkerExit
 
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:

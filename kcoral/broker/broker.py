@@ -24,10 +24,11 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
+from kcoral.broker.launch import slot_specs
 from kcoral.broker.leases import LeaseTable, choose_gpus
 from kcoral.broker.requests import Request, RequestQueue, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import Supervisor, slot_specs
+from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.target import TargetInfo, describe_target, versions
 from kcoral.broker.upstream import UpstreamLink, default_node_id
 from kcoral.broker.worker_messages import WorkerMessages

@@ -16,21 +16,17 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
+from kcoral.protocol.zygote_link import WorkerExit, ZygoteCommand, ZygoteEvent, command_line, optional_int
 from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
-
-if TYPE_CHECKING:
-    from kcoral.broker.settings import BrokerSettings
-    from kcoral.broker.target import TargetInfo
 
 log = structlog.get_logger("kcoral.supervisor")
 
@@ -82,38 +78,6 @@ class SlotState:
     killed_for: str = ""  # why the supervisor killed the running zygote, when it did
 
 
-@dataclass(frozen=True)
-class WorkerExit:
-    slot: int
-    worker: str
-    returncode: int | None
-    signal: int | None
-    leftovers_killed: int = 0
-    zygote_died: bool = False
-    reason: str = ""  # why the zygote killed it (a limit it broke), when it did
-    instruction_index: int | None = None  # what it was executing, as the zygote saw it
-
-    def describe(self) -> str:
-        if self.zygote_died:
-            how = "its zygote died"
-        elif self.signal is not None:
-            how = f"killed by signal {self.signal} ({_signal_name(self.signal)})"
-        else:
-            how = f"exit code {self.returncode}"
-        return f"{how}; {self.reason}" if self.reason else how
-
-
-def _optional_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return "unknown signal"
-
-
 @dataclass
 class Supervisor:
     """Runs the zygotes; ``on_exit`` hears of every worker that ended."""
@@ -143,18 +107,18 @@ class Supervisor:
         target = worker if worker is not None else state.worker if state is not None else None
         if state is not None and target is not None and target == state.worker and state.kill_asked is None:
             state.kill_asked = (target, time.monotonic())
-        self._command(slot, {"cmd": "kill", **({"worker": worker} if worker is not None else {})})
+        self._command(slot, ZygoteCommand.KILL_WORKER, worker)
 
     def program_started(self, slot: int) -> None:
         """The slot's worker has a program: its successor may be forked now, off the path from that
         program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
-        self._command(slot, {"cmd": "busy"})
+        self._command(slot, ZygoteCommand.FORK_SPARE)
 
     def prepare_next_worker(self, slot: int, worker: str | None = None) -> None:
         """The slot's worker (``worker``, where named) sent its last result: fork its successor now,
         while it exits. The zygote announces the successor (and the broker uses it) only once the
         worker has exited."""
-        self._command(slot, {"cmd": "spare", **({"worker": worker} if worker is not None else {})})
+        self._command(slot, ZygoteCommand.RETIRE_WORKER, worker)
 
     async def _check_liveness(self) -> None:
         """Kill a zygote that stopped speaking, or that did not kill its worker when told to."""
@@ -186,7 +150,7 @@ class Supervisor:
     async def stop(self) -> None:
         self._stopping = True
         for slot in self.states:
-            self._command(slot, {"cmd": "stop"})
+            self._command(slot, ZygoteCommand.STOP)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for state in self.states.values():
             if state.process is not None and state.process.returncode is None:
@@ -212,12 +176,12 @@ class Supervisor:
             for s in self.states.values()
         ]
 
-    def _command(self, slot: int, command: dict[str, Any]) -> None:
+    def _command(self, slot: int, command: ZygoteCommand, worker: str | None = None) -> None:
         state = self.states.get(slot)
         if state is None or state.process is None or state.process.stdin is None:
             return
         with contextlib.suppress(ConnectionError, RuntimeError):
-            state.process.stdin.write((json.dumps(command) + "\n").encode())
+            state.process.stdin.write(command_line(command, worker))
 
     async def _keep_running(self, slot: int) -> None:
         state = self.states[slot]
@@ -295,38 +259,31 @@ class Supervisor:
         state.state = "stopped"
 
     def _handle_event(self, state: SlotState, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "ready":
+        try:
+            kind = ZygoteEvent(str(event.get("event")))
+        except ValueError:
+            return
+        if kind is ZygoteEvent.READY:
             state.state = "running"
-            inside = _optional_int(event.get("pid"))
+            inside = optional_int(event.get("pid"))
             if state.process is not None and inside is not None:
                 # Found now, while no program runs in the sandbox to pose as it.
                 state.zygote_host_pid = processes.find_in_sandbox(state.process.pid, inside)
-        elif kind == "forked":
+        elif kind is ZygoteEvent.FORKED:
             state.worker = str(event.get("worker"))
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
-        elif kind == "gpu_free" and state.worker == str(event.get("worker")):
+        elif kind is ZygoteEvent.GPU_FREE and state.worker == str(event.get("worker")):
             self.on_gpu_free(str(event.get("worker")))
-        elif kind == "spare_discarded":
+        elif kind is ZygoteEvent.SPARE_DISCARDED:
             log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
-        elif kind == "exited":
+        elif kind is ZygoteEvent.EXITED:
             worker = str(event.get("worker"))
             if state.worker == worker:
                 state.worker = None
             if state.kill_asked is not None and state.kill_asked[0] == worker:
                 state.kill_asked = None
-            self.on_exit(
-                WorkerExit(
-                    state.spec.slot,
-                    worker,
-                    event.get("returncode"),
-                    event.get("signal"),
-                    int(event.get("leftovers_killed") or 0),
-                    reason=str(event.get("reason") or ""),
-                    instruction_index=_optional_int(event.get("instruction_index")),
-                )
-            )
+            self.on_exit(WorkerExit.from_event(state.spec.slot, event))
 
     async def _collect_orphans(self) -> None:
         """Kill and reap what a dead zygote left to us (it comes to us as the subreaper)."""
@@ -352,68 +309,3 @@ def _kill_session(pid: int) -> None:
     for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             kill()
-
-
-def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, connect: str) -> list[SlotSpec]:
-    """One slot per worker: ``workers_per_gpu`` on each leased GPU, or ``workers`` without GPUs;
-    each a zygote command in its sandbox (checked once here: SandboxUnavailable otherwise)."""
-    from kcoral.sandbox.launcher import zygote_launcher
-
-    launcher = zygote_launcher(settings, run_dir)
-    if target.lease_gpus:
-        placement: list[int | None] = [g for g in target.lease_gpus for _ in range(settings.workers_per_gpu)]
-    else:
-        placement = [None] * settings.workers
-    # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
-    gpu_nodes = launcher.gpu_binds(target)
-    specs: list[SlotSpec] = []
-    for slot, gpu in enumerate(placement):
-        workspace = run_dir / "slots" / str(slot)
-        argv = zygote_command(
-            connect=connect,
-            slot=slot,
-            gpu=gpu,
-            workspace=launcher.workspace_inside(workspace),
-            max_programs=settings.max_programs_per_worker,
-            limits=settings.limits,
-            preload=settings.preload,
-            sandboxed=settings.sandbox == "bubblewrap",
-        )
-        argv = launcher.wrap(argv, slot=slot, workspace=workspace, gpu_nodes=gpu_nodes)
-        specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
-    return specs
-
-
-def zygote_command(
-    *,
-    connect: str,
-    slot: int,
-    gpu: int | None,
-    workspace: Path,
-    max_programs: int,
-    limits: dict[str, int],
-    preload: str = "numpy,torch",
-    sandboxed: bool = False,
-) -> list[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "kcoral.worker.zygote",
-        "--connect",
-        connect,
-        "--slot",
-        str(slot),
-        "--workspace",
-        str(workspace),
-        "--max-programs",
-        str(max_programs),
-        "--preload",
-        preload,
-        "--limits",
-        json.dumps(limits),
-    ]
-    if gpu is not None:
-        argv += ["--gpu", str(gpu)]
-    if sandboxed:
-        argv.append("--sandboxed")
-    return argv

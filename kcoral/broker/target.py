@@ -3,7 +3,7 @@
 The broker never creates a CUDA context itself (it would hold GPU memory and could disturb
 measurements), so GPUs are listed with ``nvidia-smi``. They are numbered in PCI bus order (programs
 run with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so CUDA numbers them alike), and each one's device node
-comes from the driver (:mod:`kcoral.sandbox.devices`): its minor is not always its index.
+comes from the driver (:mod:`kcoral.broker.devices`): its minor is not always its index.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from kcoral import protocol
-from kcoral.sandbox.devices import GpuNode, gpu_nodes, normalize_bus_id, read_information_files
+from kcoral.broker.devices import GpuNode, gpu_nodes, normalize_bus_id, read_information_files
 
 NVIDIA_SMI_TIMEOUT_SECONDS = 20.0
 

@@ -24,8 +24,9 @@ from kcoral.broker import slots
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable
 from kcoral.broker.requests import Request, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import Supervisor, WorkerExit
+from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.workers import WorkerPool, result_grace_seconds
+from kcoral.protocol.zygote_link import WorkerExit
 from kcoral.service.fairness import RateLimit
 from kcoral.service.shell import InFlightTable
 from kcoral.service.sockets import send_now

@@ -17,7 +17,8 @@ from typing import Any
 import structlog
 
 from kcoral.broker.requests import Worker
-from kcoral.broker.supervisor import SlotState, WorkerExit
+from kcoral.broker.supervisor import SlotState
+from kcoral.protocol.zygote_link import WorkerExit
 
 log = structlog.get_logger("kcoral.broker")
 

@@ -1,2 +1,3 @@
-"""The sandbox the broker starts each zygote in: the bubblewrap argv (``bubblewrap.py``) and the
-broker's launcher that picks bubblewrap or none per ``--sandbox`` (``launcher.py``)."""
+"""The sandbox each zygote runs in: the bubblewrap command for given paths and device nodes
+(``bubblewrap.py``). It imports nothing of KCoral; the broker decides what goes in
+(:mod:`kcoral.broker.launch`)."""

@@ -14,7 +14,7 @@ no capabilities, and a root filesystem assembled from scratch:
   program from deleting or replacing the broker's socket);
 * the broker's blob cache, read-only, at ``/blobs`` (a program opens the blobs it was given by
   digest; it cannot list the others' where the broker runs as root, see
-  :mod:`kcoral.sandbox.launcher`);
+  :mod:`kcoral.broker.launch`);
 * the device nodes of every GPU the broker serves (``/dev/nvidiaN``) and the NVIDIA control nodes;
   each worker, before its program runs, keeps only the nodes of the GPUs the program leased and
   then drops every capability (see :mod:`kcoral.worker.confinement`), for which the sandbox holds
@@ -81,7 +81,7 @@ SANDBOX_ENV: Final[Mapping[str, str]] = {
     "TORCH_HOME": "/workspace/cache/torch",
     "TRITON_CACHE_DIR": "/workspace/cache/triton",
     "CUDA_CACHE_PATH": "/workspace/cache/nv",
-    # Indices in PCI bus order, the broker's (see kcoral.sandbox.devices), not fastest first.
+    # Indices in PCI bus order, the broker's (see kcoral.broker.devices), not fastest first.
     "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
@@ -321,7 +321,7 @@ def _runtime_candidates(spec: SandboxSpec) -> list[Path]:
     # Whatever else this interpreter imports from (PYTHONPATH, paths that .pth files add), since
     # the zygote imports the same modules; but not the working directory (``python -m`` puts it
     # first) nor the checkout that holds the package. The user site-packages is left out on
-    # purpose: a sandboxed zygote runs with -s (see kcoral.sandbox.launcher).
+    # purpose: a sandboxed zygote runs with -s (see kcoral.broker.launch).
     skipped = {_real(Path.cwd()), package.parent}
     if site.ENABLE_USER_SITE:
         skipped.add(_real(Path(site.getusersitepackages())))

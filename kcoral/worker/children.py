@@ -18,13 +18,10 @@ import signal
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from kcoral.protocol.zygote_link import ZygoteSettings
 from kcoral.worker import confinement, limits, processes
 from kcoral.worker.state import reseed_generators
-
-if TYPE_CHECKING:
-    from kcoral.worker.zygote import ZygoteSettings
 
 EXIT_WORKER_CRASHED = 70
 EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
@@ -79,7 +76,13 @@ def close_inherited_descriptors(keep: int | None = None) -> None:
 
 
 def become_worker(
-    settings: ZygoteSettings, identity: str, zygote_pid: int, board: processes.ProgressBoard, go: int
+    settings: ZygoteSettings,
+    identity: str,
+    zygote_pid: int,
+    board: processes.ProgressBoard,
+    go: int,
+    *,
+    eager_cuda: bool = False,
 ) -> None:
     """In the forked child: set the process up and run the worker loop; never returns.
 
@@ -110,7 +113,7 @@ def become_worker(
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
         if settings.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
-        if settings.eager_cuda:
+        if eager_cuda:
             os.environ[EAGER_CUDA_ENV] = "1"
         else:
             os.environ.pop(EAGER_CUDA_ENV, None)

@@ -32,7 +32,6 @@ are not rlimits alone), and kills all of them when the worker ends.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import importlib
@@ -44,10 +43,9 @@ import selectors
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from kcoral.protocol.zygote_link import ZygoteCommand, ZygoteEvent, ZygoteSettings, event_line, exit_fields
 from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, limits, processes, workspace
 from kcoral.worker.children import (
@@ -85,27 +83,8 @@ READ_CHUNK_BYTES = 65536
 TIMER_MODULES = ("cupti.cupti", "pynvml")
 
 
-@dataclass
-class ZygoteSettings:
-    connect: str
-    slot: int
-    gpu: int | None
-    workspace: Path
-    max_programs: int = 1
-    preload: tuple[str, ...] = ("numpy", "torch")
-    limits: dict[str, int] = field(default_factory=dict)
-    eager_cuda: bool = False  # workers create their CUDA context before READY (real GPUs only)
-    gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
-    private_ipc: bool = False  # the IPC namespace is the slot's own: System V objects go between programs
-    sandboxed: bool = False  # in a sandbox of the slot's own: its user namespace (and keyrings) too
-
-    @property
-    def watched(self) -> bool:
-        return any(self.limits.get(name) for name in ("processes", "memory_bytes", "workspace_bytes"))
-
-
-def emit(event: str, **fields: Any) -> None:
-    os.write(1, (json.dumps({"event": event, **fields}) + "\n").encode())
+def emit(event: ZygoteEvent, **fields: Any) -> None:
+    os.write(1, event_line(event, **fields))
 
 
 class Zygote:
@@ -126,8 +105,12 @@ class Zygote:
     programs. A worker that does not exit within RETIRE_GRACE_SECONDS of its last result is killed.
     """
 
-    def __init__(self, settings: ZygoteSettings) -> None:
+    def __init__(self, settings: ZygoteSettings, *, eager_cuda: bool = False, private_ipc: bool = False) -> None:
         self.settings = settings
+        self.eager_cuda = eager_cuda  # workers create their CUDA context before READY (real GPUs only)
+        self.private_ipc = private_ipc  # the IPC namespace is the slot's own: System V objects go between programs
+        # The watchdog samples a program's processes only where a limit needs it.
+        self.watched = any(settings.limits.get(name) for name in ("processes", "memory_bytes", "workspace_bytes"))
         self.generation = 0
         self.stopping = False
         self.current: Child | None = None
@@ -181,7 +164,7 @@ class Zygote:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.set_blocking(0, False)  # a command read never waits, whatever woke us
         self.selector.register(0, selectors.EVENT_READ, "commands")
-        emit("ready", pid=os.getpid(), slot=self.settings.slot, eager_cuda=self.settings.eager_cuda)
+        emit(ZygoteEvent.READY, pid=os.getpid(), slot=self.settings.slot, eager_cuda=self.eager_cuda)
         while not self.stopping:
             if self.current is None:
                 if self.crashes > CRASH_LOOP_AFTER:
@@ -204,7 +187,7 @@ class Zygote:
     def clear_slot(self) -> None:
         """Empty what a program can leave in the slot: its workspace and System V IPC objects."""
         workspace.wipe(self.settings.workspace)
-        if self.settings.private_ipc:
+        if self.private_ipc:
             workspace.remove_ipc_objects()
         if self.settings.sandboxed:
             workspace.clear_keyrings()
@@ -228,7 +211,7 @@ class Zygote:
         go_read, go_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity, zygote_pid, board, go_read)
+            become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=self.eager_cuda)
         os.close(go_read)
         try:
             pidfd: int | None = os.pidfd_open(pid)
@@ -247,21 +230,21 @@ class Zygote:
         """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
         spare, self.spare = self.spare, None
         if spare is not None and not self.fit_to_serve(spare):
-            emit("spare_discarded", worker=spare.identity)
+            emit(ZygoteEvent.SPARE_DISCARDED, worker=spare.identity)
             self.discard(spare)
             spare = None
         child = spare if spare is not None else self.fork_worker()
         self.current = child
         let_go(child)
         self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
-        emit("forked", worker=child.identity, pid=child.pid)
+        emit(ZygoteEvent.FORKED, worker=child.identity, pid=child.pid)
         self.fork_spare_ahead()
 
     def fork_spare_ahead(self) -> None:
         """Fork the next worker now, while the current one waits for or runs its program: then no
         fork is under way when the current one exits (see the class's docstring). Not where workers
         make a CUDA context while idle: a spare's would load the GPU under the running program."""
-        if self.spare is None and self.current is not None and not self.stopping and not self.settings.eager_cuda:
+        if self.spare is None and self.current is not None and not self.stopping and not self.eager_cuda:
             self.spare = self.fork_worker()
 
     def fit_to_serve(self, spare: Child) -> bool:
@@ -292,7 +275,7 @@ class Zygote:
         """Handle what happens next: a command, a worker's exit, a watchdog sample."""
         now = time.monotonic()
         timeout = max(0.0, self.next_alive - now)
-        if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.settings.watched):
+        if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.watched):
             timeout = min(timeout, WATCH_INTERVAL_SECONDS)
         for key, _ in self.selector.select(timeout=timeout):
             if key.data == "commands":
@@ -306,12 +289,12 @@ class Zygote:
         current = self.current
         if current is not None and current.done_at is not None and now - current.done_at > RETIRE_GRACE_SECONDS:
             self.kill(current, f"it did not exit within {RETIRE_GRACE_SECONDS:g} s of its last result")
-        if current is not None and self.settings.watched and now >= self.next_watch:
+        if current is not None and self.watched and now >= self.next_watch:
             self.next_watch = now + WATCH_INTERVAL_SECONDS
             self.watch(current)
         if now >= self.next_alive:
             self.next_alive = now + ALIVE_INTERVAL_SECONDS
-            emit("alive")
+            emit(ZygoteEvent.ALIVE)
 
     def on_exit(self, child: Child) -> None:
         if child is not self.current and child is not self.spare:
@@ -337,14 +320,15 @@ class Zygote:
         self.current = None
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
-            "exited",
-            worker=child.identity,
-            pid=child.pid,
-            returncode=returncode if returncode is None or returncode >= 0 else None,
-            signal=-returncode if returncode is not None and returncode < 0 else None,
-            leftovers_killed=len(leftovers),
-            reason=child.kill_reason,
-            instruction_index=child.board.read(),
+            ZygoteEvent.EXITED,
+            **exit_fields(
+                child.identity,
+                child.pid,
+                returncode,
+                leftovers_killed=len(leftovers),
+                reason=child.kill_reason,
+                instruction_index=child.board.read(),
+            ),
         )
         # Only workers that die fast, unasked and unexplained (a broken install, a crash at
         # start-up) count: programs end workers all the time, and that must not slow us.
@@ -365,7 +349,7 @@ class Zygote:
         # Every process below the zygote but the spare: the worker's tree and those it made with
         # CLONE_PARENT.
         tree = processes.descendants(os.getpid(), most, spare=self.spared())
-        detached = workspace.detached_segment_bytes() if self.settings.private_ipc else 0
+        detached = workspace.detached_segment_bytes() if self.private_ipc else 0
         breach = limits.limit_breach(tree, bounds, detached)
         if breach is None and bounds.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
             breach = self.workspace_breach(bounds["workspace_bytes"], tree)
@@ -420,7 +404,7 @@ class Zygote:
         if len(below) > KILL_WALK_MOST:
             return  # the walk stopped at its bound: some processes went unread, so the exit decides
         if not any(confinement.holds_gpu_device(pid) is not False for pid in [child.pid, *below]):
-            emit("gpu_free", worker=child.identity)
+            emit(ZygoteEvent.GPU_FREE, worker=child.identity)
 
     def read_commands(self) -> None:
         try:
@@ -438,24 +422,27 @@ class Zygote:
                 command = json.loads(line)
             except ValueError:
                 continue
-            what = command.get("cmd")
+            try:
+                what = ZygoteCommand(str(command.get("cmd")))
+            except ValueError:
+                continue
             # A command that names a worker is for that one alone: sent before it exited, it must
             # not end the successor the broker may already have given a program.
             named = command.get("worker")
             if named is not None and (self.current is None or named != self.current.identity):
                 continue
-            if what == "kill" and self.current is not None:
+            if what is ZygoteCommand.KILL_WORKER and self.current is not None:
                 self.current.kill_requested = True
                 self.kill(self.current, "")
-            elif what == "busy":
+            elif what is ZygoteCommand.FORK_SPARE:
                 self.fork_spare_ahead()  # where the one forked ahead was lost (killed, say)
-            elif what == "spare" and self.current is not None and not self.stopping:
+            elif what is ZygoteCommand.RETIRE_WORKER and self.current is not None and not self.stopping:
                 if self.current.done_at is None:
                     self.current.done_at = time.monotonic()
                     self.end_without_gpu(self.current)
                 if self.spare is None:
                     self.spare = self.fork_worker()
-            elif what == "stop":
+            elif what is ZygoteCommand.STOP:
                 self.stop("")
 
     def stop(self, reason: str) -> None:
@@ -479,36 +466,15 @@ def _kill_group(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kcoral-zygote")
-    parser.add_argument("--connect", required=True)
-    parser.add_argument("--slot", type=int, required=True)
-    parser.add_argument("--gpu", type=int, default=None)
-    parser.add_argument("--workspace", type=Path, required=True)
-    parser.add_argument("--max-programs", type=int, default=1)
-    parser.add_argument("--preload", default="numpy,torch")
-    parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
-    parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
-    parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own (its IPC namespace)")
-    args = parser.parse_args(argv)
+    settings = ZygoteSettings.from_argv(argv)
     close_inherited_descriptors()
-    bounds = {str(k): int(v) for k, v in json.loads(args.limits).items()}
-    if "address_space_bytes" in bounds:  # the name older brokers send
-        bounds.setdefault("memory_bytes", bounds.pop("address_space_bytes"))
-    settings = ZygoteSettings(
-        connect=args.connect,
-        slot=args.slot,
-        gpu=args.gpu,
-        workspace=args.workspace,
-        max_programs=args.max_programs,
-        preload=tuple(p for p in args.preload.split(",") if p),
-        limits=bounds,
-        eager_cuda=eager_cuda_wanted(args.gpu, os.environ),
-        gpu_nodes=None if args.gpu_nodes is None else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
+    zygote = Zygote(
+        settings,
+        eager_cuda=eager_cuda_wanted(settings.gpu, os.environ),
         # Without a sandbox, one of our own where we may make it (root): else the host's, shared.
-        private_ipc=args.sandboxed or workspace.private_ipc_namespace(),
-        sandboxed=args.sandboxed,
+        private_ipc=settings.sandboxed or workspace.private_ipc_namespace(),
     )
-    return Zygote(settings).serve()
+    return zygote.serve()
 
 
 if __name__ == "__main__":

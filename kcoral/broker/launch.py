@@ -1,4 +1,5 @@
-"""How the broker starts each zygote: inside bubblewrap, or as it is with ``--sandbox none``.
+"""How the broker starts each slot's zygote: its command line (:class:`ZygoteSettings`, one per slot)
+inside bubblewrap, or as it is with ``--sandbox none``.
 
 The broker knows a slot's workspace by its host path; a sandboxed zygote sees the same directory
 at ``/workspace`` and is told that path (the broker hands paths to the zygote only on its command
@@ -7,35 +8,32 @@ line, so nothing else needs translating). What the sandbox holds is
 that was found to work, the ipc and blob cache directories, a shared-memory directory per slot,
 the interpreter flags of a sandboxed zygote, and the device nodes of the broker's GPUs (each
 zygote's sandbox holds all of them; each worker keeps those of its program, see
-:mod:`kcoral.worker.confinement`), told to the zygote as ``--gpu-nodes``. Fake GPUs get stand-in
-files for nodes, so that the confinement is exercised on machines without GPUs.
+:mod:`kcoral.worker.confinement`), told to the zygote as its settings' ``gpu_nodes``. Fake GPUs get
+stand-in files for nodes, so that the confinement is exercised on machines without GPUs.
 
 Example::
 
-    launcher = zygote_launcher(settings, run_dir)  # raises SandboxUnavailable when bwrap fails
-    argv = zygote_command(..., workspace=launcher.workspace_inside(workspace))
-    argv = launcher.wrap(argv, slot=0, workspace=workspace, gpu_nodes=launcher.gpu_binds(target))
+    specs = slot_specs(settings, target, run_dir, connect)  # raises SandboxUnavailable when bwrap fails
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import ClassVar, Final
 
 import structlog
 
+from kcoral.broker.settings import BrokerSettings
+from kcoral.broker.supervisor import SlotSpec
+from kcoral.broker.target import TargetInfo
+from kcoral.protocol.zygote_link import ZYGOTE_MODULE, ZygoteSettings
 from kcoral.sandbox.bubblewrap import WORKSPACE, GpuBind, SandboxSpec, check_bwrap, sandbox_argv
 
-if TYPE_CHECKING:
-    from kcoral.broker.broker import BrokerSettings
-    from kcoral.broker.target import TargetInfo
-
-__all__ = ["Bubblewrap", "Unsandboxed", "zygote_launcher"]
+__all__ = ["Bubblewrap", "Unsandboxed", "slot_specs", "zygote_argv", "zygote_launcher"]
 
 log = structlog.get_logger("kcoral.sandbox")
 
@@ -54,6 +52,8 @@ FAKE_NODE_MODE: Final = 0o666
 class Unsandboxed:
     """``--sandbox none``: the zygote runs as the broker's child, with the host's view."""
 
+    sandboxed: ClassVar[bool] = False
+
     def workspace_inside(self, workspace: Path) -> Path:
         return workspace
 
@@ -68,6 +68,7 @@ class Unsandboxed:
 class Bubblewrap:
     """``--sandbox bubblewrap``: each zygote in its own sandbox (see :mod:`kcoral.sandbox.bubblewrap`)."""
 
+    sandboxed: ClassVar[bool] = True
     bwrap: Path
     run_dir: Path
     ipc_dir: Path
@@ -120,9 +121,6 @@ class Bubblewrap:
         )
         if argv[:1] == [sys.executable]:
             argv = [argv[0], *ZYGOTE_PYTHON_FLAGS, *argv[1:]]
-        if gpu_nodes:
-            inside = {str(index): str(bind.inside) for index, bind in sorted(gpu_nodes.items())}
-            argv = [*argv, "--gpu-nodes", json.dumps(inside)]
         return [*sandbox_argv(spec, self.bwrap, self.environ), "--", *argv]
 
 
@@ -165,3 +163,38 @@ def _hide_listing(blob_dir: Path) -> None:
         )
         return
     os.chmod(blob_dir, BLOB_DIR_MODE)
+
+
+def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, connect: str) -> list[SlotSpec]:
+    """One slot per worker: ``workers_per_gpu`` on each leased GPU, or ``workers`` without GPUs;
+    each a zygote command in its sandbox (checked once here: SandboxUnavailable otherwise)."""
+    launcher = zygote_launcher(settings, run_dir)
+    if target.lease_gpus:
+        placement: list[int | None] = [g for g in target.lease_gpus for _ in range(settings.workers_per_gpu)]
+    else:
+        placement = [None] * settings.workers
+    # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
+    gpu_binds = launcher.gpu_binds(target)
+    gpu_nodes = {index: str(bind.inside) for index, bind in sorted(gpu_binds.items())} or None
+    specs: list[SlotSpec] = []
+    for slot, gpu in enumerate(placement):
+        workspace = run_dir / "slots" / str(slot)
+        zygote = ZygoteSettings(
+            connect=connect,
+            slot=slot,
+            gpu=gpu,
+            workspace=launcher.workspace_inside(workspace),
+            max_programs=settings.max_programs_per_worker,
+            preload=tuple(name for name in settings.preload.split(",") if name),
+            limits=dict(settings.limits),
+            gpu_nodes=gpu_nodes,
+            sandboxed=launcher.sandboxed,
+        )
+        argv = launcher.wrap(zygote_argv(zygote), slot=slot, workspace=workspace, gpu_nodes=gpu_binds)
+        specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
+    return specs
+
+
+def zygote_argv(zygote: ZygoteSettings) -> list[str]:
+    """The command that starts a zygote with these settings (outside any sandbox)."""
+    return [sys.executable, "-m", ZYGOTE_MODULE, *zygote.to_argv()]

@@ -1,0 +1,211 @@
+"""The zygote link: the broker's supervisor and a slot's zygote, inside one host.
+
+The broker starts each zygote with a command line (:class:`ZygoteSettings`, written by
+:meth:`ZygoteSettings.to_argv` and read back by :meth:`ZygoteSettings.from_argv`), then speaks to
+it over its standard streams, one JSON object a line: :class:`ZygoteCommand` on its stdin
+(``{"cmd": ..., "worker": ...}``), :class:`ZygoteEvent` on its stdout (``{"event": ..., ...}``).
+A worker's end comes as an ``exited`` event, read into a :class:`WorkerExit`.
+``docs/protocol.md`` (section 12, "The zygote link") describes the same.
+
+Example::
+
+    argv = ZygoteSettings(connect="ipc:///run/w.sock", slot=0, workspace=Path("/workspace")).to_argv()
+    assert ZygoteSettings.from_argv(argv) == ZygoteSettings(...)
+    line = command_line(ZygoteCommand.RETIRE_WORKER, worker="w0-1-ab12")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Final
+
+# The zygote's entry point, run as ``python -m ZYGOTE_MODULE ARGV...``.
+ZYGOTE_MODULE: Final = "kcoral.worker.zygote"
+DEFAULT_PRELOAD: Final = ("numpy", "torch")
+
+
+class ZygoteCommand(StrEnum):
+    """Broker -> zygote, ``{"cmd": ...}``; those that take ``worker`` are for that worker alone (one no
+    longer current is ignored: sent before it exited, the command must not reach its successor)."""
+
+    KILL_WORKER = "kill_worker"  # kill the current worker and all it started (worker)
+    FORK_SPARE = "fork_spare"  # the worker has a program: fork its successor ahead, where it was lost
+    # The broker has the worker's last result: kill it and all it started (``gpu_free`` where none of
+    # them holds a GPU device) and fork its successor (worker).
+    RETIRE_WORKER = "retire_worker"
+    STOP = "stop"  # kill every worker and exit
+
+
+class ZygoteEvent(StrEnum):
+    """Zygote -> broker, ``{"event": ..., ...}``."""
+
+    READY = "ready"  # pid (inside its sandbox), slot, eager_cuda: the zygote serves
+    FORKED = "forked"  # worker, pid: the slot's current worker; only it is given programs
+    GPU_FREE = "gpu_free"  # worker: retired, and none of its processes holds a GPU device
+    SPARE_DISCARDED = "spare_discarded"  # worker: a spare changed while it waited; killed unannounced
+    EXITED = "exited"  # the fields of WorkerExit: the worker and everything it started are dead
+    ALIVE = "alive"  # once a second: the zygote still watches its slot
+
+
+def command_line(command: ZygoteCommand, worker: str | None = None) -> bytes:
+    """One command as the zygote reads it."""
+    return (json.dumps({"cmd": command.value, **({"worker": worker} if worker is not None else {})}) + "\n").encode()
+
+
+def event_line(event: ZygoteEvent, **fields: Any) -> bytes:
+    """One event as the supervisor reads it."""
+    return (json.dumps({"event": event.value, **fields}) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class ZygoteSettings:
+    """What the broker tells a slot's zygote: its command line, as data."""
+
+    connect: str  # the broker's worker endpoint
+    slot: int
+    workspace: Path  # as the zygote sees it (``/workspace`` in a sandbox)
+    gpu: int | None = None
+    max_programs: int = 1
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    limits: dict[str, int] = field(default_factory=dict)  # per worker, by kcoral.worker.limits' names
+    gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
+    sandboxed: bool = False  # in a sandbox of the slot's own (its IPC and user namespaces)
+
+    def to_argv(self) -> list[str]:
+        argv = [
+            "--connect",
+            self.connect,
+            "--slot",
+            str(self.slot),
+            "--workspace",
+            str(self.workspace),
+            "--max-programs",
+            str(self.max_programs),
+            "--preload",
+            ",".join(self.preload),
+            "--limits",
+            json.dumps(self.limits),
+        ]
+        if self.gpu is not None:
+            argv += ["--gpu", str(self.gpu)]
+        if self.sandboxed:
+            argv.append("--sandboxed")
+        if self.gpu_nodes is not None:
+            argv += ["--gpu-nodes", json.dumps({str(index): node for index, node in sorted(self.gpu_nodes.items())})]
+        return argv
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str] | None = None) -> ZygoteSettings:
+        """The settings of ``to_argv``'s command line; argparse's usage error otherwise."""
+        parser = argparse.ArgumentParser(prog="kcoral-zygote")
+        parser.add_argument("--connect", required=True)
+        parser.add_argument("--slot", type=int, required=True)
+        parser.add_argument("--gpu", type=int, default=None)
+        parser.add_argument("--workspace", type=Path, required=True)
+        parser.add_argument("--max-programs", type=int, default=1)
+        parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
+        parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
+        parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
+        parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own")
+        args = parser.parse_args(argv)
+        return cls(
+            connect=args.connect,
+            slot=args.slot,
+            workspace=args.workspace,
+            gpu=args.gpu,
+            max_programs=args.max_programs,
+            preload=tuple(p for p in args.preload.split(",") if p),
+            limits={str(k): int(v) for k, v in json.loads(args.limits).items()},
+            gpu_nodes=None
+            if args.gpu_nodes is None
+            else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
+            sandboxed=args.sandboxed,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A worker's end, as its zygote reported it (``exited``) or as the supervisor saw its zygote die."""
+
+    slot: int
+    worker: str
+    returncode: int | None
+    signal: int | None
+    leftovers_killed: int = 0
+    zygote_died: bool = False
+    reason: str = ""  # why the zygote killed it (a limit it broke), when it did
+    instruction_index: int | None = None  # what it was executing, as the zygote saw it
+
+    @classmethod
+    def from_event(cls, slot: int, event: Mapping[str, Any]) -> WorkerExit:
+        """The exit of an ``exited`` event's fields (a field of the wrong type reads as unknown)."""
+        return cls(
+            slot,
+            str(event.get("worker")),
+            event.get("returncode"),
+            event.get("signal"),
+            int(event.get("leftovers_killed") or 0),
+            reason=str(event.get("reason") or ""),
+            instruction_index=optional_int(event.get("instruction_index")),
+        )
+
+    def describe(self) -> str:
+        if self.zygote_died:
+            how = "its zygote died"
+        elif self.signal is not None:
+            how = f"killed by signal {self.signal} ({_signal_name(self.signal)})"
+        else:
+            how = f"exit code {self.returncode}"
+        return f"{how}; {self.reason}" if self.reason else how
+
+
+def exit_fields(
+    worker: str,
+    pid: int,
+    returncode: int | None,
+    *,
+    leftovers_killed: int,
+    reason: str,
+    instruction_index: int | None,
+) -> dict[str, Any]:
+    """An ``exited`` event's fields from ``os.waitstatus_to_exitcode``'s value (negative: a signal)."""
+    return {
+        "worker": worker,
+        "pid": pid,
+        "returncode": returncode if returncode is None or returncode >= 0 else None,
+        "signal": -returncode if returncode is not None and returncode < 0 else None,
+        "leftovers_killed": leftovers_killed,
+        "reason": reason,
+        "instruction_index": instruction_index,
+    }
+
+
+def optional_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+__all__ = [
+    "DEFAULT_PRELOAD",
+    "ZYGOTE_MODULE",
+    "WorkerExit",
+    "ZygoteCommand",
+    "ZygoteEvent",
+    "ZygoteSettings",
+    "command_line",
+    "event_line",
+    "exit_fields",
+    "optional_int",
+]
