@@ -351,3 +351,33 @@ def test_settings_refuse_nonsense() -> None:
         BlobStoreSettings(memory_bytes=-1)
     with pytest.raises(ValueError, match="positive"):
         BlobStoreSettings(memory_blob_divisor=0)
+
+
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_a_blob_in_pieces_is_filed_once_complete_and_checked(tmp_path: Path, on_disk: bool) -> None:
+    store = BlobStore(BlobStoreSettings(memory_bytes=1 << 20, disk_dir=tmp_path / "cache" if on_disk else None))
+    data = bytes(range(256)) * 40
+    digest = BlobStore.digest_of(data)
+    assembly = store.begin(digest, len(data))
+    for offset in range(0, len(data), 4096):
+        assert not store.has(digest)
+        assembly.add(memoryview(data)[offset : offset + 4096])
+    with pytest.raises(ValueError):
+        assembly.add(b"x")  # past the blob's size
+    store.finish(assembly)
+    assert bytes(store.get(digest)) == data
+    if on_disk:
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [digest]  # no temporary file left
+
+    wrong = store.begin("0" * 64, 3)
+    wrong.add(b"abc")
+    with pytest.raises(BlobDigestMismatch):
+        store.finish(wrong)
+    assert not store.has("0" * 64)
+    unfinished = store.begin(BlobStore.digest_of(b"abcd"), 4)
+    unfinished.add(b"ab")
+    with pytest.raises(ValueError):
+        store.finish(unfinished)
+    unfinished.discard()
+    if on_disk:
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [digest]

@@ -57,7 +57,7 @@ from typing import Any, Final
 
 import structlog
 
-__all__ = ("BlobDigestMismatch", "BlobStore", "BlobStoreSettings")
+__all__ = ("BlobAssembly", "BlobDigestMismatch", "BlobStore", "BlobStoreSettings")
 
 _log = structlog.get_logger(__name__)
 
@@ -100,6 +100,55 @@ class PreparedBlob:
     data: bytes | bytearray | memoryview
     view: memoryview
     temp_file: Path | None
+
+
+class BlobAssembly:
+    """A blob that arrives in pieces (a client's upload in frames of bounded size), in order.
+
+    The pieces go to a temporary file of the disk tier as they come (to memory where the store
+    has none), hashed on the way, so a blob of any size holds at most one piece in memory.
+    :meth:`BlobStore.begin` makes one, :meth:`add` takes each piece, and
+    :meth:`BlobStore.finish` files the complete blob; :meth:`discard` drops an unfinished one.
+    """
+
+    def __init__(self, digest: str, size: int, temp_file: Path | None) -> None:
+        self.digest = digest
+        self.size = size
+        self.received = 0
+        self.temp_file = temp_file
+        self._hasher = hashlib.sha256()
+        self._memory = bytearray() if temp_file is None else None
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.size
+
+    def add(self, piece: bytes | bytearray | memoryview) -> None:
+        """Append the next piece; raises ValueError for one past the blob's size."""
+        view = _as_bytes_view(piece)
+        if self.received + view.nbytes > self.size:
+            raise ValueError(f"piece of {view.nbytes} bytes at {self.received} passes the blob's {self.size} bytes")
+        self._hasher.update(view)
+        if self._memory is not None:
+            self._memory += view
+        elif self.temp_file is not None:
+            with self.temp_file.open("ab") as file:
+                file.write(view)
+        self.received += view.nbytes
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
+
+    def memory(self) -> bytearray | None:
+        return self._memory
+
+    def discard(self) -> None:
+        """Forget an unfinished blob and its temporary file; idempotent."""
+        if self.temp_file is not None:
+            with contextlib.suppress(OSError):
+                self.temp_file.unlink()
+            self.temp_file = None
+        self._memory = None
 
 
 class BlobDigestMismatch(ValueError):
@@ -202,6 +251,44 @@ class BlobStore:
                     self._remove_disk_file(Path(temp_name))
                 _log.warning("blob_disk_write_failed", digest=digest, error=str(exc))
         return PreparedBlob(digest, data, view, temp)
+
+    def begin(self, digest: str, size: int) -> BlobAssembly:
+        """A :class:`BlobAssembly` for ``digest``, a blob of ``size`` bytes to come in pieces."""
+        _check_digest(digest)
+        if size < 1:
+            raise ValueError(f"a blob in pieces has at least 1 byte, not {size}")
+        temp: Path | None = None
+        if self._disk_dir is not None:
+            fd, temp_name = tempfile.mkstemp(prefix=_TEMP_PREFIX, dir=self._disk_dir)
+            os.close(fd)
+            temp = Path(temp_name)
+        return BlobAssembly(digest, size, temp)
+
+    def finish(self, assembly: BlobAssembly) -> None:
+        """File a complete assembly under its digest; raises BlobDigestMismatch (and discards it)
+        when its bytes hash to another digest. Large blobs stay on disk only, as with :meth:`put`."""
+        if not assembly.complete:
+            raise ValueError(f"blob {assembly.digest[:12]}... has {assembly.received} of {assembly.size} bytes")
+        actual = assembly.hexdigest()
+        if actual != assembly.digest:
+            assembly.discard()
+            raise BlobDigestMismatch(f"blob of {assembly.size} bytes hashes to {actual}, not {assembly.digest}")
+        memory = assembly.memory()
+        if memory is not None:
+            self.commit(PreparedBlob(assembly.digest, memory, memoryview(memory), None), adopt=True)
+            return
+        assert assembly.temp_file is not None and self._disk_dir is not None
+        digest, temp = assembly.digest, assembly.temp_file
+        assembly.temp_file = None
+        if digest in self._disk:
+            self._remove_disk_file(temp)
+        else:
+            os.replace(temp, self._disk_dir / digest)
+            self._disk[digest] = assembly.size
+            self._disk_bytes += assembly.size
+            self._verified.add(digest)
+            self._evict_disk(keep=digest)
+        self._touch_disk(digest)
 
     def commit(self, prepared: PreparedBlob, *, adopt: bool = False) -> None:
         """File a blob that :meth:`prepare` checked (and maybe wrote)."""

@@ -73,13 +73,10 @@ class Broker:
                 disk_writable_by_others=settings.sandbox != "bubblewrap",
             )
         )
-        # One frame larger than a client may have in uploads at once could never be accepted, and
-        # libzmq holds a frame whole until it is complete: bound it by that, not only by the request.
-        frame_limit = min(settings.max_request_bytes, settings.upload_bounds[1])
         self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
-            ShellSettings.of(settings, max_message_bytes=frame_limit),
+            ShellSettings.of(settings),
             fail_request=self._finish_error,
             metrics=self.metrics,
         )
@@ -334,7 +331,7 @@ class Broker:
         if not self.worker_messages.holds_lease(request.worker, request.id):
             self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
-        self.intake.uploads.release(request.id)
+        self.intake.forget(request)
         if request.state == "queued":
             self.queue.remove(request)
         result = body.get("result") or {}
@@ -418,6 +415,7 @@ class Broker:
             "hostname": self.hostname,
             "gpu_count": len(self.gpu_ids),
             "fake_gpus": self.target.fake,
+            "frame_bytes": self.settings.max_frame_bytes,
             "load": {
                 "request_capacity": len(self.supervisor.slots),
                 "requests_in_progress": running,

@@ -223,6 +223,7 @@ class ProgramIntake:
         try:
             if not isinstance(digests, list) or len(digests) != len(message.data):
                 raise protocol.WireError("the blobs list must name each attached frame")
+            piece = protocol.blob_piece(message.body, len(digests))
             for digest, frame in zip(digests, message.data):
                 protocol.check_digest(digest)
                 if digest not in wanted:
@@ -237,6 +238,10 @@ class ProgramIntake:
                 if refusal is not None:
                     self.port.fail(request, refusal.kind, refusal.message)
                     return False
+                if piece is not None:
+                    self._store_piece(request, digest, piece, frame)
+                    continue
+                self._drop_pieces(request, digest)
                 # A received frame is never written to again, so a large one is kept as it is.
                 adopt = len(frame) >= ADOPT_FRAME_BYTES
                 ready = (prepared or {}).get(digest)
@@ -250,7 +255,50 @@ class ProgramIntake:
         except (protocol.WireError, ValueError) as exc:
             self.port.fail(request, "parse", str(exc))
             return False
+        except OSError as exc:
+            # Only a blob in pieces needs the disk (the others are kept in memory when it fails).
+            log.warning("blob_pieces_not_stored", request_id=request.id, error=str(exc))
+            self.port.fail(request, "busy", f"the service cannot store the blob's pieces now: {exc.strerror}")
+            return False
         return True
+
+    def _store_piece(self, request: Request, digest: str, piece: protocol.BlobPiece, frame: memoryview) -> None:
+        """Add one piece of a blob uploaded in pieces; file the blob once its last piece is here.
+        Raises WireError for a piece out of order or of another size than the program declares."""
+        declared = declared_sizes(request.program).get(digest)
+        if declared is not None and declared != piece.size:
+            raise protocol.WireError(
+                f"blob {digest[:12]}... is {piece.size} bytes in its pieces, {declared} in the program"
+            )
+        assembly = request.pieces.get(digest)
+        if assembly is None or assembly.size != piece.size:
+            self._drop_pieces(request, digest)
+            if piece.offset != 0:
+                raise protocol.WireError(f"the first piece of blob {digest[:12]}... is at offset {piece.offset}, not 0")
+            assembly = request.pieces[digest] = self.blobs.begin(digest, piece.size)
+        if piece.offset != assembly.received:
+            raise protocol.WireError(
+                f"piece of blob {digest[:12]}... at offset {piece.offset}; expected {assembly.received}"
+            )
+        if not len(frame):
+            raise protocol.WireError(f"an empty piece of blob {digest[:12]}...")
+        assembly.add(frame)
+        if assembly.complete:
+            del request.pieces[digest]
+            self.blobs.finish(assembly)
+
+    @staticmethod
+    def _drop_pieces(request: Request, digest: str | None = None) -> None:
+        """Discard the unfinished blobs in pieces of ``request`` (only ``digest``'s, when given)."""
+        for name in [digest] if digest is not None else list(request.pieces):
+            assembly = request.pieces.pop(name, None)
+            if assembly is not None:
+                assembly.discard()
+
+    def forget(self, request: Request) -> None:
+        """The request ended: what it holds of uploads goes."""
+        self._drop_pieces(request)
+        self.uploads.release(request.id)
 
     def negotiate(self, request: Request, *, progressed: bool) -> None:
         """Ask the client for the blobs still missing, or queue the program when none are.
@@ -271,7 +319,11 @@ class ProgramIntake:
                     "timeout",
                     f"the client did not send the program's missing blobs within {timeout:g} s",
                 )
-            self.port.tell(request, {"request_id": request.id, "state": "need_blobs", "blobs": missing})
+            body: dict[str, Any] = {"request_id": request.id, "state": "need_blobs", "blobs": missing}
+            if request.pieces:
+                # Where each blob that comes in pieces goes on: the client sends from there.
+                body["offsets"] = {d: a.received for d, a in request.pieces.items() if d in missing}
+            self.port.tell(request, body)
             return
         if request.timer is not None:
             request.timer.cancel()

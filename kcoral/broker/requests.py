@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from kcoral import protocol
+from kcoral.broker.blobs import BlobAssembly
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Request:
     lease_task: asyncio.Task[None] | None = None
     lease_times: tuple[float, float] | None = None  # when the lease was asked for and granted (monotonic)
     bytes_received: int = 0
+    # Blobs arriving in pieces (BLOBS with ``offset``), by digest, until their last piece.
+    pieces: dict[str, BlobAssembly] = field(default_factory=dict)
     # Who the program belongs to for fair share: the client's CURVE key, or its connection
     # (kcoral.service.auth.peer_identity); ``client`` is the connection its answers go to.
     owner: bytes = b""

@@ -23,6 +23,7 @@ from kcoral import protocol
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS
 from kcoral.keys import ClientKeys
 from kcoral.service.auth import ServerSecurity
+from kcoral.service.fairness import upload_bounds
 
 # Fair share. Without --max-queued-per-client one client may fill this fraction of --max-queued:
 # four busy clients together can fill the queue, one alone leaves room for everyone else.
@@ -114,6 +115,8 @@ class BrokerSettings:
     # max_request_bytes in all, and max_request_bytes per client.
     max_upload_bytes: int | None = None
     max_upload_bytes_per_client: int | None = None
+    # The largest frame a client may send (libzmq's MAXMSGSIZE on the client socket).
+    max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES
 
     @property
     def client_queue_limit(self) -> int:
@@ -122,8 +125,7 @@ class BrokerSettings:
     @property
     def upload_bounds(self) -> tuple[int, int]:
         """(in all, per client) bytes of uploads in progress."""
-        per_client = self.max_upload_bytes_per_client or self.max_request_bytes
-        return self.max_upload_bytes or 2 * self.max_request_bytes, per_client
+        return upload_bounds(self.max_request_bytes, self.max_upload_bytes, self.max_upload_bytes_per_client)
 
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None

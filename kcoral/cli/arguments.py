@@ -49,6 +49,15 @@ def size(text: str) -> int:
     return value
 
 
+def frame_size(text: str) -> int:
+    value = size(text)
+    if not protocol.MIN_FRAME_BYTES <= value <= protocol.MAX_BODY_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"expected {protocol.MIN_FRAME_BYTES} to {protocol.MAX_BODY_BYTES} bytes, got {text}"
+        )
+    return value
+
+
 def log_level(text: str) -> str:
     if text.lower() not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, not {text!r}")
@@ -208,6 +217,29 @@ def add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_upload_bounds(parser: argparse.ArgumentParser) -> None:
+    """What uploads may hold of a service's memory, the same for broker and router."""
+    parser.add_argument(
+        "--max-upload-bytes",
+        type=size,
+        default=None,
+        help="bytes of uploads in progress, all clients together (default: twice --max-request-bytes)",
+    )
+    parser.add_argument(
+        "--max-upload-bytes-per-client",
+        type=size,
+        default=None,
+        help="bytes of uploads in progress per client (default: --max-request-bytes)",
+    )
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=frame_size,
+        default=protocol.DEFAULT_MAX_FRAME_BYTES,
+        help="the largest frame a client may send (libzmq MAXMSGSIZE): what one connection can make "
+        "the service hold with a frame it never finishes; larger blobs are uploaded in pieces",
+    )
+
+
 def add_metrics_listen(parser: argparse.ArgumentParser) -> None:
     """The Prometheus endpoint, the same for broker and router (kcoral/metrics.py)."""
     parser.add_argument(
@@ -221,6 +253,7 @@ def add_metrics_listen(parser: argparse.ArgumentParser) -> None:
 
 METAVARS: dict[Any, str] = {
     size: "SIZE",
+    frame_size: "SIZE",
     endpoint: "URL",
     positive: "N",
     non_negative: "N",

@@ -28,6 +28,7 @@ from kcoral.cli.arguments import (
     add_access_arguments,
     add_max_request_bytes,
     add_metrics_listen,
+    add_upload_bounds,
     endpoint,
     existing_path,
     gpu_list,
@@ -161,18 +162,7 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="this node's secret key file for the link (default: --curve-secret-key)",
     )
     add_access_arguments(broker)
-    broker.add_argument(
-        "--max-upload-bytes",
-        type=size,
-        default=None,
-        help="bytes of uploads in progress, all clients together (default: twice --max-request-bytes)",
-    )
-    broker.add_argument(
-        "--max-upload-bytes-per-client",
-        type=size,
-        default=None,
-        help="bytes of uploads in progress per client (default: --max-request-bytes)",
-    )
+    add_upload_bounds(broker)
     add_metrics_listen(broker)
     name_values(broker)
     broker.set_defaults(run=run_broker)
@@ -245,8 +235,6 @@ def broker_settings(args: argparse.Namespace, security: Any, upstream_keys: Any)
         upstream=args.upstream,
         node_id=args.node_id,
         upstream_keys=upstream_keys,
-        max_upload_bytes=args.max_upload_bytes,
-        max_upload_bytes_per_client=args.max_upload_bytes_per_client,
     )
 
 

@@ -9,6 +9,7 @@ from kcoral.cli.arguments import (
     add_access_arguments,
     add_max_request_bytes,
     add_metrics_listen,
+    add_upload_bounds,
     endpoint,
     name_values,
     positive,
@@ -39,6 +40,7 @@ def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_max_request_bytes(router)
     add_access_arguments(router, nodes=True)
+    add_upload_bounds(router)
     add_metrics_listen(router)
     name_values(router)
     router.set_defaults(run=run_router)

@@ -37,6 +37,9 @@ class SharedSettings(TypedDict):
     max_queued: int
     queue_timeout_seconds: float
     max_request_bytes: int
+    max_upload_bytes: int | None
+    max_upload_bytes_per_client: int | None
+    max_frame_bytes: int
     security: ServerSecurity | None
     insecure_listen_any: bool
     max_queued_per_client: int | None
@@ -53,6 +56,9 @@ def shared_settings(args: argparse.Namespace, security: ServerSecurity | None) -
         max_queued=args.max_queued,
         queue_timeout_seconds=args.queue_timeout,
         max_request_bytes=args.max_request_bytes,
+        max_upload_bytes=args.max_upload_bytes,
+        max_upload_bytes_per_client=args.max_upload_bytes_per_client,
+        max_frame_bytes=args.max_frame_bytes,
         security=security,
         insecure_listen_any=args.insecure_listen_any,
         max_queued_per_client=args.max_queued_per_client,

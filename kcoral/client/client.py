@@ -110,6 +110,9 @@ class AsyncClient:
         self._cancels_sent = 0
         self._last_heard = time.monotonic()
         self._send_lock = asyncio.Lock()
+        # The largest frame the service takes (HEALTH ``frame_bytes``); None: a service that names
+        # none takes blobs only whole, each in one frame.
+        self.frame_bytes: int | None = None
         # Counters that show what crossed the wire (tests and benchmarks read them).
         self.blob_bytes_sent = 0
         self.blobs_sent = 0
@@ -164,14 +167,14 @@ class AsyncClient:
         """health(); with CURVE keys, a handshake the service refuses ends it at once with
         ``unauthorized`` rather than after the connect timeout (libzmq would retry for ever)."""
         if self.keys is None or self._socket is None:
-            return await self.health()
+            return self._note_limits(await self.health())
         monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
         health = asyncio.ensure_future(self.health())
         refused = asyncio.ensure_future(monitor.recv_multipart())
         try:
             done, _ = await asyncio.wait({health, refused}, return_when=asyncio.FIRST_COMPLETED)
             if health in done:
-                return health.result()
+                return self._note_limits(health.result())
             event = zmq.utils.monitor.parse_monitor_message(refused.result())["event"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 message = f"{self.url} refused this client's key (not among its authorized keys)"
@@ -183,6 +186,12 @@ class AsyncClient:
                 future.cancel()
             self._socket.disable_monitor()
             monitor.close(linger=0)
+
+    def _note_limits(self, health: dict[str, Any]) -> dict[str, Any]:
+        frame_bytes = health.get("frame_bytes")
+        if isinstance(frame_bytes, int) and not isinstance(frame_bytes, bool) and frame_bytes >= 1:
+            self.frame_bytes = frame_bytes
+        return health
 
     async def aclose(self) -> None:
         """Close the connection; idempotent."""
@@ -239,7 +248,7 @@ class AsyncClient:
                     return final_result(request_id, reply, frames)
                 state = reply.get("state")
                 if state == "need_blobs":
-                    await self._send_blobs(request_id, reply.get("blobs"), blobs, on_progress)
+                    await self._send_blobs(request_id, reply, blobs, on_progress)
                 elif state == "running" and deadline is None:
                     deadline = time.monotonic() + timeout + protocol.CLIENT_MARGIN_SECONDS
                 if on_progress is not None and state != "need_blobs":
@@ -290,25 +299,64 @@ class AsyncClient:
 
     async def _send(self, command: bytes, body: dict[str, Any], *frames: Any) -> None:
         assert self._socket is not None
+        message = protocol.message(command, body, *frames)
+        if self.frame_bytes is not None:
+            largest = max(memoryview(frame).nbytes for frame in message)
+            if largest > self.frame_bytes:
+                # The service's libzmq would drop the connection for it, with no answer.
+                raise KCoralError(
+                    "request_too_large",
+                    f"a frame of {largest} bytes is over the service's frame limit of {self.frame_bytes} "
+                    "bytes (its --max-frame-bytes); send large values as uploads",
+                    request_id=body.get("request_id"),
+                )
         with map_zmq_errors(body.get("request_id")):
             async with self._send_lock:
-                await self._socket.send_multipart(protocol.message(command, body, *frames), copy=False)
+                await self._socket.send_multipart(message, copy=False)
 
     async def _send_blobs(
-        self, request_id: str, digests: Any, blobs: dict[str, Any], on_progress: ProgressCallback | None = None
+        self, request_id: str, reply: dict[str, Any], blobs: dict[str, Any], on_progress: ProgressCallback | None = None
     ) -> None:
+        """Answer a ``need_blobs``: with every blob it names in one BLOBS where the service takes
+        blobs only whole; else with the next piece of its first blob when that one is over the
+        frame limit, or the blobs before the first such one, up to a frame limit of bytes."""
+        digests, offsets = reply.get("blobs"), reply.get("offsets") or {}
         if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise ProtocolError("need_blobs without a list of digests", request_id=request_id)
+        if not isinstance(offsets, dict):
+            raise ProtocolError("need_blobs with offsets that are not a map", request_id=request_id)
         unknown = [d for d in digests if d not in blobs]
         if unknown:
             raise ProtocolError(f"service asked for blobs this program lacks: {unknown[:3]}", request_id=request_id)
-        frames = [blobs[d] for d in digests]
-        size = sum(memoryview(f).nbytes for f in frames)
-        if on_progress is not None and frames:
-            report(on_progress, ProgressEvent("uploading", request_id, blobs=len(frames), bytes_total=size))
-        self.blob_bytes_sent += sum(len(f) for f in frames)
+        views = {d: memoryview(blobs[d]).cast("B") for d in digests}
+        if on_progress is not None and digests and digests[0] not in offsets:
+            size = sum(views[d].nbytes for d in digests)
+            report(on_progress, ProgressEvent("uploading", request_id, blobs=len(digests), bytes_total=size))
+        limit = self.frame_bytes
+        if limit is not None and digests and (views[digests[0]].nbytes > limit or digests[0] in offsets):
+            digest, view = digests[0], views[digests[0]]
+            offset = offsets.get(digest, 0)
+            if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < view.nbytes:
+                raise ProtocolError(f"need_blobs with a bad offset {offset!r}", request_id=request_id)
+            piece = view[offset : offset + limit]
+            self.blob_bytes_sent += piece.nbytes
+            self.blobs_sent += offset + piece.nbytes == view.nbytes
+            body = {"request_id": request_id, "blobs": [digest], "offset": offset, "size": view.nbytes}
+            await self._send(protocol.BLOBS, body, piece)
+            return
+        batch = digests
+        if limit is not None:
+            batch, total = [], 0
+            for digest in digests:
+                size = views[digest].nbytes
+                if size > limit or (batch and total + size > limit):
+                    break
+                batch.append(digest)
+                total += size
+        frames = [blobs[d] for d in batch]
+        self.blob_bytes_sent += sum(views[d].nbytes for d in batch)
         self.blobs_sent += len(frames)
-        await self._send(protocol.BLOBS, {"request_id": request_id, "blobs": digests}, *frames)
+        await self._send(protocol.BLOBS, {"request_id": request_id, "blobs": batch}, *frames)
 
     async def _next_reply(
         self,

@@ -60,6 +60,11 @@ CLIENT_MARGIN_SECONDS: Final = 15.0  # how long past a program's timeout a clien
 # --- limits -----------------------------------------------------------------------------------
 
 MAX_BODY_BYTES: Final = 64 << 20  # one msgpack body
+# The largest frame a service takes from a client (libzmq's MAXMSGSIZE, which it applies to each
+# frame): libzmq holds a frame whole until its last byte, so this is what one connection can make a
+# service hold with a frame it never finishes. Blobs over it travel in pieces (BLOBS ``offset``).
+DEFAULT_MAX_FRAME_BYTES: Final = 8 << 20
+MIN_FRAME_BYTES: Final = 1 << 20  # below this an ordinary program's body would not fit
 MAX_FRAMES: Final = 100_000  # frames in one message
 MAX_INSTRUCTIONS: Final = 10_000
 MAX_ID_LENGTH: Final = 200

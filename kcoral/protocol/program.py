@@ -87,6 +87,31 @@ def parse_execute(body: dict[str, Any]) -> tuple[dict[str, Any], ExecuteOptions,
     return program, parse_options(body.get("options")), program_digests(program)
 
 
+@dataclass(frozen=True)
+class BlobPiece:
+    """Where a BLOBS that carries one piece of a blob puts it: at ``offset`` of ``size`` bytes."""
+
+    offset: int
+    size: int
+
+
+def blob_piece(body: dict[str, Any], frames: int) -> BlobPiece | None:
+    """The piece a BLOBS body announces (``offset`` and ``size``), or None for whole blobs;
+    raises WireError for a bad one. A piece is the one data frame of its message."""
+    if "offset" not in body and "size" not in body:
+        return None
+    offset, size = body.get("offset"), body.get("size")
+    for name, value in (("offset", offset), ("size", size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WireError(f"a BLOBS piece needs an integer {name}")
+    assert isinstance(offset, int) and isinstance(size, int)
+    if frames != 1:
+        raise WireError(f"a BLOBS piece carries one frame, not {frames}")
+    if not 0 <= offset < size:
+        raise WireError(f"a piece's offset {offset} is not within the blob's {size} bytes")
+    return BlobPiece(offset, size)
+
+
 def program_digests(program: dict[str, Any]) -> list[str]:
     """Every blob digest a program's instructions name, in order, without duplicates."""
     found: dict[str, None] = {}

@@ -43,6 +43,13 @@ class NodePort(Protocol):
     def relay(self, client: bytes, message: list[Any], request_id: str) -> None:
         """Pass a node's message on to the request's client unchanged."""
 
+    def uploads_asked(self, request: RouterRequest, body: dict[str, Any]) -> bool:
+        """The node asked for blobs (``need_blobs``): hold their bytes against the upload bounds;
+        False when that refused the request (it was failed)."""
+
+    def uploads_done(self, request: RouterRequest) -> None:
+        """The node holds every blob of the request: its upload bytes go."""
+
 
 class NodeMessages:
     """The live and lost nodes, and the router's handling of their messages."""
@@ -136,9 +143,12 @@ class NodeMessages:
         if request is None:
             return  # the answer to a request already failed (node_lost) or cancelled here
         state = body.get("state")
+        if state == "need_blobs" and not self.port.uploads_asked(request, body):
+            return
         if state == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
+            self.port.uploads_done(request)
         if state in ("queued", "running"):
             request.state = state
             gpu_ids = body.get("gpu_ids")

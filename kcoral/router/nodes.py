@@ -34,6 +34,8 @@ class RouterRequest:
     state: str = "queued"
     gpu_ids: tuple[int, ...] = ()
     owner: bytes = b""  # fair-share identity: the CURVE key, or the connection (as in the broker)
+    sizes: dict[str, int] = field(default_factory=dict)  # each blob's declared size
+    bytes_received: int = 0  # blob bytes from the client (EXECUTE and BLOBS), passed on to the node
 
     def __post_init__(self) -> None:
         self.owner = self.owner or self.client

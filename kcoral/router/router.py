@@ -64,8 +64,8 @@ from kcoral.router.nodes import (
 )
 from kcoral.router.settings import NODE_WAIT_SECONDS, RouterSettings
 from kcoral.service import auth
-from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, refuse_gpu_count
-from kcoral.service.fairness import OrphanWatch
+from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, declared_sizes, refuse_gpu_count
+from kcoral.service.fairness import OrphanWatch, UploadBudget
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket
 
@@ -96,6 +96,9 @@ class Router:
         self.orphans = OrphanWatch(settings.orphan_grace_seconds)
         per_client = client_queue_limit(settings.max_queued, settings.max_queued_per_client)
         self.admission = AdmissionPolicy("router", settings.max_queued, per_client, settings.max_request_bytes)
+        # Bytes of uploads passing through to the nodes, per client and in all, as a broker bounds
+        # its own: what the nodes asked for, or the bytes received if more.
+        self.uploads: UploadBudget[bytes] = UploadBudget(*settings.upload_bounds)
         self.shell.handlers.update(
             {
                 protocol.EXECUTE: self._on_execute,
@@ -178,6 +181,12 @@ class Router:
             return
         gpu_count, digests = admitted.options.gpu_count or 0, admitted.digests
         request = RouterRequest(request_id, client, gpu_count, digests, message.frames, owner=owner)
+        request.sizes = declared_sizes(admitted.program)
+        request.bytes_received = message.data_bytes
+        refusal = self.uploads.reserve(request_id, owner, request.bytes_received)
+        if refusal is not None:
+            self.shell.refuse(client, request_id, refusal.kind, refusal.message)
+            return
         self.requests.add(request)
         self.queue.push(request)
         log.info("request_received", request_id=request_id, blobs=len(digests), gpu_count=gpu_count or None)
@@ -204,12 +213,46 @@ class Router:
             self.shell.refuse(message.client, message.request_id, "parse", text)
             return
         node = request.node
+        request.bytes_received += message.data_bytes
+        if request.bytes_received > self.settings.max_request_bytes:
+            limit = self.settings.max_request_bytes
+            self._refuse_upload(request, "request_too_large", f"the program's uploads exceed {limit} bytes")
+            return
+        refusal = self.uploads.reserve(request.id, request.owner, request.bytes_received)
+        if refusal is not None:
+            self._refuse_upload(request, refusal.kind, refusal.message)
+            return
         if not self.node_messages.send(node.identity, message.frames):
             self.fail(request, "node_lost", f"node {node.node_id} cannot be reached")
             return
         sent = message.body.get("blobs")
         if isinstance(sent, list):
             node.remember_blobs([d for d in sent if isinstance(d, str)], self.settings.node_blob_memory)
+
+    def uploads_asked(self, request: RouterRequest, body: dict[str, Any]) -> bool:
+        blobs, offsets = body.get("blobs"), body.get("offsets")
+        offsets = offsets if isinstance(offsets, dict) else {}
+        if not isinstance(blobs, list):
+            return True  # the client reads the node's message and finds it bad
+        asked = 0
+        for digest in {d for d in blobs if isinstance(d, str)}:
+            offset = offsets.get(digest, 0)
+            asked += max(0, request.sizes.get(digest, 0) - (offset if isinstance(offset, int) else 0))
+        refusal = self.uploads.reserve(request.id, request.owner, request.bytes_received + asked)
+        if refusal is None:
+            return True
+        self._refuse_upload(request, refusal.kind, refusal.message)
+        return False
+
+    def uploads_done(self, request: RouterRequest) -> None:
+        self.uploads.release(request.id)
+
+    def _refuse_upload(self, request: RouterRequest, kind: str, text: str) -> None:
+        """End a request whose upload went past a bound, at its node too."""
+        if request.node is not None:
+            cancel = protocol.message(protocol.CANCEL, {"request_id": request.id})
+            self.node_messages.send(request.node.identity, cancel)
+        self.fail(request, kind, text)
 
     def _on_cancel(self, message: ClientMessage) -> None:
         request = self.requests.of(message.client, message.request_id)
@@ -267,6 +310,7 @@ class Router:
         """Send a request's FINAL and forget it."""
         if self.requests.pop(request.id) is None:
             return
+        self.uploads.release(request.id)
         if request.node is not None:
             request.node.requests.pop(request.id, None)
         else:
@@ -361,6 +405,7 @@ class Router:
             "hostname": self.hostname,
             "gpu_count": sum(n.gpu_count for n in live),
             "fake_gpus": sum(n.fake_gpus for n in live),
+            "frame_bytes": self.settings.max_frame_bytes,
             "load": {
                 "request_capacity": sum(n.capacity for n in live),
                 "requests_in_progress": sum(n.load.get("requests_in_progress", 0) for n in live),

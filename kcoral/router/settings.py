@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kcoral import protocol
 from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
 from kcoral.service import auth
+from kcoral.service.fairness import upload_bounds
 
 NODE_WAIT_SECONDS = 10.0
 NODE_BLOB_MEMORY = 100_000  # digests remembered per node for blob affinity
@@ -32,6 +33,17 @@ class RouterSettings:
     orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
     metrics_listen: str | None = None
+    # Bytes of uploads passing through to the nodes (programs still negotiating their blobs),
+    # bounded as the broker's are; None: twice max_request_bytes in all, max_request_bytes per client.
+    max_upload_bytes: int | None = None
+    max_upload_bytes_per_client: int | None = None
+    # The largest frame a client may send (libzmq's MAXMSGSIZE on the client socket).
+    max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES
+
+    @property
+    def upload_bounds(self) -> tuple[int, int]:
+        """(in all, per client) bytes of uploads in progress."""
+        return upload_bounds(self.max_request_bytes, self.max_upload_bytes, self.max_upload_bytes_per_client)
 
 
 __all__ = ["NODE_BLOB_MEMORY", "NODE_WAIT_SECONDS", "RouterSettings"]

@@ -66,6 +66,12 @@ class UploadRefusal:
     message: str
 
 
+def upload_bounds(max_request_bytes: int, total: int | None, per_client: int | None) -> tuple[int, int]:
+    """(in all, per client) bytes of uploads in progress: as given, or by default twice
+    ``max_request_bytes`` in all and ``max_request_bytes`` per client."""
+    return total or 2 * max_request_bytes, per_client or max_request_bytes
+
+
 class UploadBudget(Generic[K]):
     """Bytes held by uploads in progress (programs still negotiating their blobs), bounded in
     total and per client. A program reserves the bytes it declares before any is sent, and more as

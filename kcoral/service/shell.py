@@ -146,6 +146,9 @@ class ServiceSettings(Protocol):
     def max_request_bytes(self) -> int: ...
 
     @property
+    def max_frame_bytes(self) -> int: ...
+
+    @property
     def security(self) -> auth.ServerSecurity | None: ...
 
     @property
@@ -161,7 +164,7 @@ class ShellSettings:
 
     listen: str
     # libzmq disconnects a peer that sends a larger frame (docs/protocol.md, section 1).
-    max_message_bytes: int = protocol.DEFAULT_MAX_REQUEST_BYTES
+    max_frame_bytes: int = protocol.DEFAULT_MAX_FRAME_BYTES
     # CURVE keys and the authorized clients (kcoral/service/auth.py); None: no CURVE, and then a
     # TCP endpoint beyond loopback is refused unless insecure_listen_any.
     security: auth.ServerSecurity | None = None
@@ -173,11 +176,11 @@ class ShellSettings:
     metrics_listen: str | None = None
 
     @classmethod
-    def of(cls, service: ServiceSettings, *, max_message_bytes: int | None = None) -> ShellSettings:
+    def of(cls, service: ServiceSettings) -> ShellSettings:
         """The shell's part of a broker's or a router's settings."""
         return cls(
             listen=service.listen,
-            max_message_bytes=max_message_bytes or service.max_request_bytes,
+            max_frame_bytes=service.max_frame_bytes,
             security=service.security,
             insecure_listen_any=service.insecure_listen_any,
             metrics_listen=service.metrics_listen,
@@ -259,7 +262,7 @@ class ServiceShell(Generic[RequestT]):
 
     def bind(self, *more_endpoints: str) -> None:
         """Set the socket's options and bind it to ``settings.listen`` (and ``more_endpoints``)."""
-        self.clients.setsockopt(zmq.MAXMSGSIZE, max(self.settings.max_message_bytes, protocol.MAX_BODY_BYTES))
+        self.clients.setsockopt(zmq.MAXMSGSIZE, self.settings.max_frame_bytes)
         options = {
             **auth.client_socket_options(self.settings.security, auth.CLIENTS_DOMAIN),
             **self.settings.socket_options,
