@@ -90,23 +90,13 @@ class CuptiTracer:
     that instance, never a lookup through a class attribute that uploaded code could reset.
     """
 
-    # Kept for code written against the old process-wide lookup (``CuptiTracer.get()``). The timer
-    # never reads them: it uses the tracer armed before uploaded code ran, and the trusted-state
-    # snapshot notices a candidate that resets them to force the CUDA-event fallback.
+    # Kept from the old process-wide lookup, for code that still resets them. The timer never
+    # reads them: it uses the tracer armed before uploaded code ran (``kcoral.timing.trust``), and
+    # the trusted-state snapshot notices a candidate that resets them to force the CUDA-event
+    # fallback.
     _instance: CuptiTracer | None = None
     _instance_error: str | None = None
     _instance_lock = threading.Lock()
-
-    @classmethod
-    def get(cls) -> CuptiTracer:
-        """The tracer armed for this process (``CuptiUnavailable`` where CUPTI does not work)."""
-        from kcoral.timing.trust import armed, ensure_tracer
-
-        state = armed()
-        tracer = ensure_tracer(state)
-        if tracer is None:
-            raise CuptiUnavailable(state.cupti_error or "CUPTI is not available")
-        return tracer
 
     def __init__(self, module: Any = None) -> None:
         """``module``: cupti-python's ``cupti`` module as captured earlier (by the timer's arm),
