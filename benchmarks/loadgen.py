@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import broker, machine, print_table, router, save_json
 from kcoral import AsyncClient, KCoralError, Program
+from kcoral.keys import ClientKeys, KeyFileError
 from kcoral.units import parse_size
 
 DEFAULT_MIX = "constant=4,sleep:0.05=3,lease:0.02=3,tensor:256K=2,crash=1,raise=1,timeout:1=1"
@@ -302,11 +303,14 @@ async def open_loop(clients: list[AsyncClient], load: Load, rng: random.Random) 
     return tasks
 
 
-async def drive(url: str, load: Load, progress: Callable[[Load, bool], None] | None) -> None:
+async def drive(
+    url: str, load: Load, progress: Callable[[Load, bool], None] | None, keys: ClientKeys | None = None
+) -> None:
     rng = random.Random(load.seed)
     async with contextlib.AsyncExitStack() as stack:
         clients = [
-            await stack.enter_async_context(AsyncClient(url, connect_timeout_seconds=30)) for _ in range(load.clients)
+            await stack.enter_async_context(AsyncClient(url, connect_timeout_seconds=30, keys=keys))
+            for _ in range(load.clients)
         ]
         reporter = asyncio.create_task(_report(load, progress)) if progress else None
         load.started = time.monotonic()
@@ -571,12 +575,12 @@ def service(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             yield url, f"broker ({args.broker or 'default flags'})"
 
 
-async def probe_benchmark(url: str, kinds: list[Kind]) -> list[Kind]:
+async def probe_benchmark(url: str, kinds: list[Kind], keys: ClientKeys | None = None) -> list[Kind]:
     """Drop ``benchmark`` from the mix where the service has no CUDA GPU (it would only fail)."""
     bench = [k for k in kinds if k.label == "benchmark"]
     if not bench:
         return kinds
-    async with AsyncClient(url, connect_timeout_seconds=30) as client:
+    async with AsyncClient(url, connect_timeout_seconds=30, keys=keys) as client:
         result = await client.execute(bench[0].build(), timeout_seconds=120)
     if result.completed:
         return kinds
@@ -621,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", help="write a PNG of latency over time and its distribution here")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any program ends unexpectedly")
+    parser.add_argument("--server-key", metavar="FILE", help="with --url: the service's public key file (CurveZMQ)")
+    parser.add_argument("--client-key", metavar="FILE", help="with --url: this client's secret key file")
     parser.add_argument(
         "--metrics",
         metavar="URL",
@@ -643,12 +649,18 @@ def main(argv: list[str] | None = None) -> int:
         kinds = parse_mix(args.mix, args.timeout)
     except ValueError as exc:
         parser.error(f"--mix: {exc}")
+    if (args.server_key is None) != (args.client_key is None):
+        parser.error("--server-key and --client-key go together")
+    try:
+        keys = ClientKeys.from_files(Path(args.server_key), Path(args.client_key)) if args.server_key else None
+    except KeyFileError as exc:
+        parser.error(str(exc))
     with service(args) as (url, description):
-        kinds = asyncio.run(probe_benchmark(url, kinds))
+        kinds = asyncio.run(probe_benchmark(url, kinds, keys))
         load = Load(kinds, args.clients, args.duration, args.count, args.rate, args.seed)
         progress = None if args.quiet else ProgressBar(sys.stderr)
         before = scrape_programs(args.metrics) if args.metrics else {}
-        asyncio.run(drive(url, load, progress))
+        asyncio.run(drive(url, load, progress, keys))
         after = scrape_programs(args.metrics) if args.metrics else {}
     summary = summarize(load, url, description)
     if args.metrics:

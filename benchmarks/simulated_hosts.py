@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import shlex
@@ -306,6 +307,7 @@ class Federation:
     log_level: str = "info"
     router: RunningService | None = None
     brokers: dict[str, RunningService] = field(default_factory=dict)
+    _hosts: dict[str, str] = field(default_factory=dict)  # node id -> host name
 
     def start_router(self, host: Host) -> RunningService:
         credentials = self._host_dir(host, "credentials")
@@ -346,6 +348,7 @@ class Federation:
         # link the broker dials) and the host itself reach it.
         service = self._start(host, argv, argv[argv.index("--listen") + 1], None)
         self.brokers[node_id] = service
+        self._hosts[node_id] = host.name
         return service
 
     def _start(self, host: Host, argv: list[str], url: str, keys: ClientKeys | None) -> RunningService:
@@ -366,24 +369,40 @@ class Federation:
         return self.router.nodes()
 
     def wait_live(self, *node_ids: str, timeout_seconds: float = 120.0) -> dict[str, dict[str, Any]]:
-        """Wait until each node is live at the router, idle, and its broker has said ``broker_ready``
-        (every worker slot can take a program); the router's nodes then."""
+        """Wait until each node is live and idle at the router and ready by ``kcoral status`` on
+        its own host (every worker slot idle, as a readiness probe would ask); the router's nodes."""
         deadline = time.monotonic() + timeout_seconds
+        ready: set[str] = set()
         while True:
             for node_id in node_ids:
-                process = self.brokers[node_id].process
-                if process.poll() is not None:
-                    raise RuntimeError(
-                        f"broker {node_id} exited with {process.returncode}:\n{self.brokers[node_id].log()}"
-                    )
+                broker = self.brokers[node_id]
+                if broker.process.poll() is not None:
+                    raise RuntimeError(f"broker {node_id} exited with {broker.process.returncode}:\n{broker.log()}")
+            nodes: dict[str, dict[str, Any]] = {}
             with contextlib.suppress(Exception):
                 nodes = self.nodes()
-                if all(_idle(nodes.get(n)) and "broker_ready" in self.brokers[n].log() for n in node_ids):
-                    return nodes
+            for node_id in node_ids:
+                if node_id not in ready and _idle(nodes.get(node_id)) and self.broker_ready(node_id):
+                    ready.add(node_id)
+            if ready >= set(node_ids) and all(_idle(nodes.get(n)) for n in node_ids):
+                return nodes
             if time.monotonic() > deadline:
                 logs = "\n".join(self.brokers[n].log()[-3000:] for n in node_ids)
                 raise TimeoutError(f"nodes {node_ids} not live within {timeout_seconds:g} s:\n{logs}")
-            time.sleep(0.2)
+            time.sleep(0.5)
+
+    def broker_ready(self, node_id: str) -> bool:
+        """``kcoral status --json`` on the broker's host, against its loopback endpoint: every slot idle."""
+        broker = self.brokers[node_id]
+        host = self.network.hosts[self._hosts[node_id]]
+        status = [sys.executable, "-m", "kcoral.cli", "status", "--json", broker.url]
+        argv = ["ip", "netns", "exec", host.namespace, *status]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+            workers = json.loads(done.stdout)["workers"] if done.returncode == 0 else {}
+        except (subprocess.TimeoutExpired, ValueError, KeyError):
+            return False
+        return bool(workers) and workers.get("idle", 0) >= workers.get("slots", 1)
 
     def stop(self) -> dict[str, int]:
         """One SIGTERM (a unit's stop) to every broker, then to the router; their exit statuses.
