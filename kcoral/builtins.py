@@ -1,5 +1,6 @@
 """What uploaded code imports from KCoral: ``benchmark`` (GPU timing), ``compare`` (is B faster
-than A: a paired comparison with a confidence interval and a verdict) and ``GpuAccessGuard``.
+than A: a paired comparison with a confidence interval and a verdict), ``note_seed`` (a seed the
+program drew, for the result's ``provenance``) and ``GpuAccessGuard``.
 
 Uploaded code imports this module (``from kcoral.builtins import benchmark``), so its top level
 imports nothing heavy: torch, cupti-python and pynvml are imported inside the functions that need
@@ -14,6 +15,7 @@ from kcoral.timing.ab_config import COMPARE_KEYS, CompareConfig
 from kcoral.timing.benchmark import benchmark
 from kcoral.timing.compare import compare
 from kcoral.timing.config import CONFIG_KEYS, BenchmarkConfig
+from kcoral.timing.seeds import note_seed
 
 __all__ = [
     "COMPARE_KEYS",
@@ -24,4 +26,5 @@ __all__ = [
     "benchmark",
     "compare",
     "gpu_access_guard",
+    "note_seed",
 ]

@@ -217,6 +217,22 @@ def tensor_from_frame(spec: Tensor, frames: list[bytes]) -> list[float]:
     return list(struct.unpack(f"<{count}f", data))
 
 
+def check_provenance(provenance: dict[str, Any], request_id: str, blobs: list[str]) -> None:
+    """Section 8, "Provenance", of a CPU-only broker on its own, started with --sandbox none."""
+    assert provenance["request_id"] == request_id and provenance["node_id"] is None
+    assert provenance["sandbox"] == "none" and provenance["device"] == "cpu" and provenance["fake_gpus"] == 0
+    assert isinstance(provenance["hostname"], str) and isinstance(provenance["broker_instance_id"], str)
+    versions = provenance["versions"]
+    assert versions["protocol"] == "KC1" and isinstance(versions["kcoral"], str)
+    assert {"python", "torch", "cupti-python", "numpy", "driver", "cuda_driver"} <= set(versions)
+    assert provenance["gpus"] == [] and provenance["gpu_conditions"] == {"start": None, "end": None}
+    program = provenance["program"]
+    assert len(program["digest"]) == 64 and program["modules"] == {}  # the module came as a blob
+    assert program["blobs"] == blobs
+    assert provenance["options"]["timeout_seconds"] == 60
+    assert provenance["program_claims"]["seeds"] == {}
+
+
 def test_program_with_blob_negotiation_returns_a_tensor_and_a_map(client: RawClient) -> None:
     data = struct.pack("<6f", 1.0, 2.0, 3.0, 4.0, 5.0, 6.5)
     source = MODULE_SOURCE.encode()
@@ -247,6 +263,7 @@ def test_program_with_blob_negotiation_returns_a_tensor_and_a_map(client: RawCli
         assert isinstance(result[field], float)
     assert result["stdout"] == "" and result["stdout_truncated"] is False
     assert result["node_id"] is None  # a broker on its own, not behind a router
+    check_provenance(result["provenance"], reply["request_id"], sorted(blobs))
 
     scaled, info = result["results"]["pair"]  # the function returned a tuple (ext 3)
     assert isinstance(scaled, Tensor)

@@ -26,6 +26,7 @@ from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
 from kcoral.broker.launch import slot_specs
 from kcoral.broker.leases import LeaseTable, choose_gpus
+from kcoral.broker.provenance import Provenance
 from kcoral.broker.requests import Request, RequestQueue, Worker
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
@@ -89,6 +90,7 @@ class Broker:
         self.hostname = stdlib_socket.gethostname()
         self.versions = versions()
         self.target_wire = self.target.to_wire()
+        self.provenance = Provenance(self.target, self.versions, settings.sandbox, self.hostname, self.instance_id)
         self.intake = ProgramIntake(
             IntakeSettings(
                 gpu_count=len(self.gpu_ids),
@@ -134,6 +136,7 @@ class Broker:
             leases=self.leases,
             supervisor=self.supervisor,
             port=self,
+            provenance=self.provenance,
         )
         self.upstream: UpstreamLink | None = None
 
@@ -261,6 +264,7 @@ class Broker:
             request.gpu_ids = tuple(sorted(choose_gpus(load, request.gpu_count, preferred)))
         request.state = "running"
         request.started_at = time.monotonic()
+        request.conditions_at_start = self.provenance.at_start(request.gpu_ids)
         request.worker = worker
         worker.request_id = request.id
         worker.programs += 1

@@ -22,6 +22,7 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.broker import slots
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable
+from kcoral.broker.provenance import Provenance
 from kcoral.broker.requests import Request, Worker
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
@@ -75,6 +76,7 @@ class WorkerMessages:
     held_leases: dict[bytes, str] = field(default_factory=dict)  # worker identity -> the request whose lease it holds
     progress_limit: RateLimit[bytes] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
     ready_announced: bool = False
+    provenance: Provenance | None = None  # None: results carry an empty provenance map
 
     def holds_lease(self, worker: Worker | None, request_id: str) -> bool:
         """Whether ``worker`` holds ``request_id``'s lease: it then goes back at the worker's exit."""
@@ -202,8 +204,24 @@ class WorkerMessages:
             body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self.port.node_id
         )
         result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
+        result["provenance"] = self._provenance(request, body.get("provenance"))
         self.port.finish(request, protocol.final_body(request.id, result), data)
         self.port.dispatch()
+
+    def _provenance(self, request: Request, claims: Any) -> dict[str, Any]:
+        """The result's ``provenance`` (kcoral.broker.provenance); ``claims``: the worker's own."""
+        if self.provenance is None:
+            return {}
+        return self.provenance.for_result(
+            request_id=request.id,
+            program=request.program,
+            digests=request.digests,
+            options=request.options.to_wire(),
+            gpu_ids=request.gpu_ids,
+            node_id=self.port.node_id,
+            at_start=request.conditions_at_start,
+            claims=claims,
+        )
 
     def on_gpu_free(self, worker: str) -> None:
         """The zygote killed a finished worker that had no GPU device open or mapped (nor had
@@ -263,6 +281,7 @@ class WorkerMessages:
             gpu_ids=request.gpu_ids,
             node_id=self.port.node_id,
         )
+        result["provenance"] = self._provenance(request, None)
         worker = request.worker
         self.port.finish(request, protocol.final_body(request.id, result), [])
         if worker is not None and not worker.exited:

@@ -71,6 +71,7 @@ def build_result(result: dict[str, Any], frames: list[Any]) -> ProgramResult:
         gpu_ids=[int(g) for g in result.get("gpu_ids", [])],
         worker=dict(result.get("worker") or {}),
         node_id=str(result["node_id"]) if result.get("node_id") is not None else None,
+        provenance=dict(result["provenance"]) if isinstance(result.get("provenance"), dict) else {},
     )
 
 

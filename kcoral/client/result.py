@@ -80,6 +80,8 @@ class ProgramResult:
     gpu_ids: list[int]
     worker: dict[str, Any] = field(default_factory=dict)
     node_id: str | None = None  # the host that ran the program, when it came through a router
+    # Where, on what and under which conditions it ran (docs/protocol.md, section 8, "Provenance").
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def completed(self) -> bool:

@@ -41,6 +41,7 @@ RESULT_KEYS: Final = (
     "lease_held_ms",
     "gpu_ids",
     "node_id",
+    "provenance",
 )
 # Beside RESULT_KEYS: "worker" (diagnostics of the worker that answered; absent when it died).
 WORKER_KEY: Final = "worker"
@@ -98,8 +99,10 @@ def program_result(
     lease_held_ms: float = 0.0,
     gpu_ids: Sequence[int] = (),
     node_id: str | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A program's result: FAILED when there is an ``error`` (results returned before it are kept)."""
+    """A program's result: FAILED when there is an ``error`` (results returned before it are kept).
+    ``provenance``: where and how it ran (the broker's, see ``kcoral.broker.provenance``)."""
     return {
         "request_id": request_id,
         "status": FAILED if error is not None else COMPLETED,
@@ -115,6 +118,7 @@ def program_result(
         "lease_held_ms": lease_held_ms,
         "gpu_ids": list(gpu_ids),
         "node_id": node_id,
+        "provenance": {} if provenance is None else provenance,
     }
 
 
@@ -128,6 +132,7 @@ _RESULT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "lease_wait_ms": (int, float),
     "lease_held_ms": (int, float),
     "worker": dict,
+    "provenance": dict,
 }
 _ERROR_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "kind": str,

@@ -22,6 +22,7 @@ holds the machinery, one role per module:
 - ``timing.ab_config``, ``timing.ab_stats``: ``compare``'s settings and its statistics (paired
   rounds, the bootstrap interval of B/A, the verdict, the adaptive stop; pure).
 - ``timing.compare``: ``compare``, A against B in interleaved rounds with ``benchmark``'s defences.
+- ``timing.seeds``: the seeds a program's measurements drew, for the result's ``provenance``.
 
 Like ``kcoral.builtins``, nothing here imports torch, cupti-python or pynvml at module level: uploaded
 code imports ``kcoral.builtins``, which must stay cheap and must not initialise CUDA.

@@ -77,6 +77,7 @@ from kcoral.timing.inputs import (
     snapshot,
 )
 from kcoral.timing.nvml import Nvml, sample_left_out
+from kcoral.timing.seeds import note_seed
 from kcoral.timing.stats import MAX_COUNT, count_from_budget, summarize
 from kcoral.timing.timers import UNHELD_MEASURE, CuptiTimer, EventTimer
 from kcoral.timing.trust import ArmedState, QuietInterpreter, Trusted, armed, describe_changes
@@ -249,6 +250,7 @@ def _run(
     device = torch.cuda.current_device()
     nvml = Nvml.open(torch, device)
     seed = settings.seed if settings.seed is not None else secrets.randbits(SEED_BITS)
+    note_seed("compare", seed)
     cool = wait_cool_idle(
         nvml,
         max_wait_ms=settings.wait_cool_ms,

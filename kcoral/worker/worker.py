@@ -26,6 +26,7 @@ import zmq
 # timer before a program costs about 1 ms instead of about 100 ms of imports in each worker.
 import kcoral.builtins  # noqa: F401
 from kcoral import protocol
+from kcoral.timing import seeds
 from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, limits, processes
 from kcoral.worker.capture import OutputCapture, OutputFollower
@@ -128,6 +129,7 @@ def execute_program(
             refusal = cuda_view_mismatch(gpu_ids)
         # The output follower's thread starts before the timer is armed: benchmark() counts the
         # threads started after arming as the program's, and this one is the worker's own.
+        seeds.forget()
         with follower:
             # Before any uploaded code runs: the zygote armed the timer (see kcoral.timing.trust);
             # the threads alive now are the worker's own, not the program's.
@@ -155,6 +157,7 @@ def execute_program(
             lease_held_ms=interpreter.lease.times.held_ms,
             gpu_ids=gpu_ids,
         )
+        body["provenance"] = program_claims()
         reason = refusal or interpreter.retire_reason
         retire = retire or refusal is not None
         # A program that returns but leaves work running is reported in the result's "worker" map
@@ -179,6 +182,16 @@ def execute_program(
         if saved is not None:
             saved.restore(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def program_claims() -> dict[str, Any]:
+    """What only the program's process can say of its run, for the result's ``provenance``: the
+    seeds it noted and the CUDA version torch was built with. The broker takes these as the
+    program's claims (they come from the process that ran its code)."""
+    torch = sys.modules.get("torch")
+    version = getattr(torch, "version", None)
+    cuda = getattr(version, "cuda", None)
+    return {"seeds": seeds.noted(), "torch_cuda": cuda if isinstance(cuda, str) else None}
 
 
 def run_worker(settings: WorkerSettings) -> int:
