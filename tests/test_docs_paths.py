@@ -34,7 +34,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 HELP_OPTION = re.compile(r"^ {2}(?:-\w, )?(--[a-z][a-z0-9-]*)", re.M)
 
 # The subcommands whose flags docs/operations.md documents, and flags the docs name that are other
-# programs' (pip's; ncu's and run-iket's, passed through).
+# programs' (pip's; ncu's and run-iket's, passed through; in docs/deploy.md docker's, kubectl's,
+# systemctl's and Slurm's).
 SUBCOMMANDS = (
     ["broker"],
     ["router"],
@@ -42,7 +43,17 @@ SUBCOMMANDS = (
     ["keys", "generate"],
     *([adapter] for adapter in ("python", "ncu", "sanitizer", "iket", "remote")),
 )
-OTHER_PROGRAMS_FLAGS = {"--index-url", "--set", "--postprocess"}
+OTHER_PROGRAMS_FLAGS = {"--index-url", "--set", "--postprocess"} | {
+    "--security-opt",
+    "--privileged",
+    "--from-file",
+    "--now",
+    "--batch",
+    "--signal",
+    "--exclusive",
+    "--gres",
+    "--time",
+}
 # Files of the reader's own that the docs name (the README's example is saved as first.py).
 READERS_FILES = {"first.py"}
 
