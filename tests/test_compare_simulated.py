@@ -197,3 +197,19 @@ def test_a_bad_config_is_a_parse_error(gpu: tuple[ScriptedTracer, FakeNvml]) -> 
     with pytest.raises(ExecutionError) as caught:
         compare(lambda: None, lambda: None, config={"repeat": 5})
     assert caught.value.kind == "parse" and "repeat" in caught.value.message
+
+
+def test_the_wait_for_a_cool_gpu_and_the_conditions_in_both_reports(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    from kcoral.builtins import benchmark
+
+    tracer, _ = gpu
+    a = kernel(tracer, 500_000)
+    waited = compare(a, a, torch.ones(256), config={**FAST, "wait_cool_ms": 1000, "cool_temp_c": 45})
+    assert waited["cool_wait"]["asked"] is True and waited["cool_wait"]["reached"] is True
+    assert waited["cool_wait"]["temperature_c"] == 41
+    timed = benchmark(a, torch.ones(256), config={"clock_warmup_ms": 0, "repeat": 8, "wait_cool_ms": 1000})
+    assert timed["cool_wait"]["reached"] is True
+    assert timed["conditions_before"]["temperature_c"] == 41 and timed["conditions_after"]["power_w"] == 120.0
+    with pytest.raises(ExecutionError) as caught:
+        benchmark(a, torch.ones(256), config={"cool_temp_c": 500})
+    assert caught.value.kind == "parse"

@@ -1,6 +1,6 @@
 """The settings of one ``compare`` run: its own keys (the verdict, the adaptive stop, the clock
-filter, the cool wait) beside the keys it shares with ``benchmark`` (the L2 flush, the launch hold,
-the clock warm-up, the timer), read and validated from a user's config dict."""
+filter) beside the keys it shares with ``benchmark`` (the L2 flush, the launch hold, the clock
+warm-up, the timer, the wait for a cool GPU), read and validated from a user's config dict."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ from typing import Any, Final
 
 from kcoral.errors import ExecutionError
 from kcoral.timing.ab_stats import DEFAULT_CONFIDENCE, DEFAULT_THRESHOLD
-from kcoral.timing.conditions import DEFAULT_COOL_TEMP_C, DEFAULT_IDLE_UTIL_PCT, MAX_COOL_WAIT_MS
 from kcoral.timing.config import BenchmarkConfig
 
 # The keys of benchmark() that mean the same here (counts and repeat budgets do not: the adaptive
 # stop decides how many calls run).
-SHARED_KEYS: Final = frozenset({"warmup_ms", "flush_l2", "launch_hold", "clock_warmup_ms", "method"})
+SHARED_KEYS: Final = frozenset(
+    {
+        "warmup_ms",
+        "flush_l2",
+        "launch_hold",
+        "clock_warmup_ms",
+        "method",
+        "wait_cool_ms",
+        "cool_temp_c",
+        "idle_util_pct",
+    }
+)
 ORDERS: Final = frozenset({"abba", "shuffled"})
 
 DEFAULT_TARGET_HALFWIDTH: Final = 0.002
@@ -47,9 +57,6 @@ COMPARE_KEYS: Final = SHARED_KEYS | frozenset(
         "order",
         "clock_floor",
         "max_left_out",
-        "wait_cool_ms",
-        "cool_temp_c",
-        "idle_util_pct",
         "seed",
     }
 )
@@ -70,9 +77,6 @@ class CompareConfig:
     order: str = "abba"
     clock_floor: float = DEFAULT_CLOCK_FLOOR
     max_left_out: float = DEFAULT_MAX_LEFT_OUT
-    wait_cool_ms: float = 0.0
-    cool_temp_c: float = DEFAULT_COOL_TEMP_C
-    idle_util_pct: float = DEFAULT_IDLE_UTIL_PCT
     seed: int | None = None
     timing: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
@@ -111,9 +115,6 @@ class CompareConfig:
             order=order,
             clock_floor=_number(values, "clock_floor", DEFAULT_CLOCK_FLOOR, 0.0, 1.0),
             max_left_out=_number(values, "max_left_out", DEFAULT_MAX_LEFT_OUT, 0.0, 1.0),
-            wait_cool_ms=_number(values, "wait_cool_ms", 0.0, 0.0, MAX_COOL_WAIT_MS),
-            cool_temp_c=_number(values, "cool_temp_c", DEFAULT_COOL_TEMP_C, 0.0, 120.0),
-            idle_util_pct=_number(values, "idle_util_pct", DEFAULT_IDLE_UTIL_PCT, 0.0, 100.0),
             seed=seed,
             timing=BenchmarkConfig.from_mapping({k: v for k, v in values.items() if k in SHARED_KEYS}),
         )

@@ -25,8 +25,10 @@ from kcoral.timing.calibrate import (
     fail_on_changes,
     import_torch_with_gpu,
     is_cupti_failure,
+    wait_for_cool_gpu,
     warm_up,
 )
+from kcoral.timing.conditions import gpu_conditions
 from kcoral.timing.config import BenchmarkConfig, split_config
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
@@ -93,7 +95,8 @@ def benchmark(
     (100), ``warmup`` and ``repeat`` (counts; they override the budgets), ``flush_l2`` (True),
     ``launch_hold`` (True), ``clock_warmup_ms`` (1000; 0 skips the clock warm-up), ``method``
     (``"auto"``, ``"cupti"`` or ``"cuda_event"``), ``defences`` (True; False only to measure their
-    cost). Counts are capped at 10000 and budgets at 10 s.
+    cost), ``wait_cool_ms`` (0; up to this long, wait for a GPU at most ``cool_temp_c``, 50, and
+    at most ``idle_util_pct``, 5, busy before measuring). Counts are capped at 10000 and budgets at 10 s.
 
     The result holds ``latency_ms_median``/``_mean``/``_min``/``_max``/``_std`` (GPU time),
     ``host_ms_median``/``_min``/``_max`` (synchronised host wall time per call), ``warmup`` and
@@ -103,7 +106,8 @@ def benchmark(
     any activity ran, for calls with work on another stream, which no hold holds),
     ``latency_ms_median_by`` (``span``, ``ready_span``, ``busy``, ``cuda_event``), ``launch_hold``,
     ``launch_hold_us``, ``launch_late_calls``, the SM clock and throttle reasons before and after,
-    ``gpu``, and ``integrity``: ``verdict`` (``"ok"`` or ``"suspect"``) and ``reasons`` (see
+    ``conditions_before``/``conditions_after`` (temperature, clocks, power, utilisation) and
+    ``cool_wait``, ``gpu``, and ``integrity``: ``verdict`` (``"ok"`` or ``"suspect"``) and ``reasons`` (see
     ``kcoral.timing.findings``).
 
     Raises ``ExecutionError``: ``parse`` for a bad config, ``unavailable`` when there is no GPU or
@@ -184,6 +188,8 @@ def _run(
     defences = settings.defences
     device = torch.cuda.current_device()
     nvml = Nvml.open(torch, device)
+    cool = wait_for_cool_gpu(nvml, settings, trusted)
+    conditions_before = gpu_conditions(nvml)
     ready = calibrate(trusted, torch, fn, plan, timer, nvml, settings, spent)
     runner = ready.runner
     check_again = defences and plan.mode == MODE_ROTATED and check is None and not ready.writes_inputs
@@ -271,6 +277,9 @@ def _run(
             "throttle_reasons_before": throttle_reason_names(before["reasons"]),
             "throttle_reasons_after": throttle_reason_names(reasons_after),
             "throttled": None if reasons_after is None else bool(reasons_after & SLOWDOWN_MASK),
+            "conditions_before": conditions_before,
+            "conditions_after": gpu_conditions(nvml),
+            "cool_wait": cool.describe(),
             "gpu": str(torch.cuda.get_device_name(device)),
             "device_index": int(device) if isinstance(device, int) else None,
             "inputs": {**plan.describe(), "first_timed_index": measurement.first_input_index},

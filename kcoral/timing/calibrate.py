@@ -1,6 +1,7 @@
 """What runs before the counted calls of ``benchmark`` and ``compare``: the timer chosen and the
-trusted state checked, then, per callable, the first call, the probe, the clock warm-up, the
-launch-hold fit, the per-call estimate and the warm-up (the package docstring says why each).
+trusted state checked, the wait for a cool GPU where asked, then, per callable, the first call,
+the probe, the clock warm-up, the launch-hold fit, the per-call estimate and the warm-up (the
+package docstring says why each).
 
 Both measurements start here, so a defence added to these steps holds for both.
 """
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kcoral.errors import ExecutionError
 from kcoral.timing.calls import Runner
+from kcoral.timing.conditions import CoolWait, wait_cool_idle
 from kcoral.timing.config import ESTIMATE_CALLS, BenchmarkConfig
 from kcoral.timing.cupti import CuptiUnavailable
 from kcoral.timing.inputs import MODE_ROTATED, InputPlan, versions
@@ -230,3 +233,15 @@ def warm_up(calibration: Calibration, settings: BenchmarkConfig) -> int:
     for _ in range(warmup):
         calibration.runner.iteration()
     return warmup
+
+
+def wait_for_cool_gpu(nvml: Nvml | None, settings: BenchmarkConfig, trusted: Trusted) -> CoolWait:
+    """The wait a measurement's config asks for (``wait_cool_ms``, ``cool_temp_c``, ``idle_util_pct``)."""
+    return wait_cool_idle(
+        nvml,
+        max_wait_ms=settings.wait_cool_ms,
+        cool_temp_c=settings.cool_temp_c,
+        idle_util_pct=settings.idle_util_pct,
+        clock=trusted.perf_counter,
+        sleep=time.sleep,
+    )

@@ -61,9 +61,10 @@ from kcoral.timing.calibrate import (
     fail_on_changes,
     import_torch_with_gpu,
     is_cupti_failure,
+    wait_for_cool_gpu,
     warm_up,
 )
-from kcoral.timing.conditions import gpu_conditions, wait_cool_idle
+from kcoral.timing.conditions import gpu_conditions
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
     MODE_ROTATED,
@@ -251,14 +252,7 @@ def _run(
     nvml = Nvml.open(torch, device)
     seed = settings.seed if settings.seed is not None else secrets.randbits(SEED_BITS)
     note_seed("compare", seed)
-    cool = wait_cool_idle(
-        nvml,
-        max_wait_ms=settings.wait_cool_ms,
-        cool_temp_c=settings.cool_temp_c,
-        idle_util_pct=settings.idle_util_pct,
-        clock=trusted.perf_counter,
-        sleep=time.sleep,
-    )
+    cool = wait_for_cool_gpu(nvml, timing, trusted)
     conditions_before = gpu_conditions(nvml)
     sides: list[Side] = []
     for name, fn, timer in zip(SIDES, fns, timers):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
+from kcoral.timing.conditions import DEFAULT_COOL_TEMP_C, DEFAULT_IDLE_UTIL_PCT, MAX_COOL_WAIT_MS
 from kcoral.timing.stats import MAX_COUNT
 
 # Limits: a single benchmark() stays bounded even with careless configs (counts: MAX_COUNT).
@@ -24,7 +25,20 @@ ESTIMATE_CALLS: Final = 5
 
 METHODS: Final = frozenset({"auto", "cupti", "cuda_event"})
 CONFIG_KEYS: Final = frozenset(
-    {"warmup_ms", "repeat_ms", "warmup", "repeat", "flush_l2", "launch_hold", "clock_warmup_ms", "method", "defences"}
+    {
+        "warmup_ms",
+        "repeat_ms",
+        "warmup",
+        "repeat",
+        "flush_l2",
+        "launch_hold",
+        "clock_warmup_ms",
+        "method",
+        "defences",
+        "wait_cool_ms",
+        "cool_temp_c",
+        "idle_util_pct",
+    }
 )
 
 
@@ -44,6 +58,11 @@ class BenchmarkConfig:
     # inputs, no output checks, no trusted-state checks, no environment watch; the report then
     # says suspect, "the integrity defences were turned off".
     defences: bool = True
+    # Before measuring, wait up to this long for a GPU at most cool_temp_c and at most
+    # idle_util_pct busy (kcoral.timing.conditions); 0: no wait.
+    wait_cool_ms: float = 0.0
+    cool_temp_c: float = DEFAULT_COOL_TEMP_C
+    idle_util_pct: float = DEFAULT_IDLE_UTIL_PCT
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> BenchmarkConfig:
@@ -73,6 +92,9 @@ class BenchmarkConfig:
             clock_warmup_ms=_budget(values, "clock_warmup_ms", DEFAULT_CLOCK_WARMUP_MS, MAX_CLOCK_WARMUP_MS),
             method=method,
             defences=flags["defences"],
+            wait_cool_ms=_budget(values, "wait_cool_ms", 0.0, MAX_COOL_WAIT_MS),
+            cool_temp_c=_bounded(values, "cool_temp_c", DEFAULT_COOL_TEMP_C, 120.0, "degrees C"),
+            idle_util_pct=_bounded(values, "idle_util_pct", DEFAULT_IDLE_UTIL_PCT, 100.0, "percent"),
         )
 
 
@@ -81,6 +103,13 @@ def _budget(values: Mapping[str, Any], key: str, default: float, cap: float) -> 
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ExecutionError("parse", f"{key} must be a non-negative number of milliseconds, not {value!r}")
     return min(float(value), cap)
+
+
+def _bounded(values: Mapping[str, Any], key: str, default: float, cap: float, unit: str) -> float:
+    value = values.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= cap:
+        raise ExecutionError("parse", f"{key} must be from 0 to {cap:g} {unit}, not {value!r}")
+    return float(value)
 
 
 def _count(values: Mapping[str, Any], key: str, *, minimum: int) -> int | None:
