@@ -40,12 +40,15 @@ from typing import Any
 from kcoral.keys import ClientKeys, generate_keypair
 from kcoral.testing import RunningService, wait_ready
 
-# 198.18.0.0/15 (RFC 2544) holds 512 /24s: each network takes one, chosen from its process id,
-# so that two runs on one machine do not share a subnet.
+# 198.18.0.0/15 (RFC 2544) holds 512 /24s: each network takes one that no route covers yet.
 ADDRESS_RANGE = ipaddress.ip_network("198.18.0.0/15")
 SUBNET_PREFIX = 24
 CLIENT_HOST_INDEX = 254  # the root namespace's address in the /24: the test's own host
 IP_TIMEOUT_SECONDS = 10.0
+# Every namespace and root link of a network is named kcPID-...: a network whose process is gone
+# (killed before its clean-up) is found by its name and removed by the next one.
+NAME_PREFIX = "kc"
+_OWN_NAME = re.compile(rf"{NAME_PREFIX}(\d+)-[a-z0-9]+")
 MAX_HOSTS = 16  # a bound on what one network may make
 ROUTER_PORT, NODES_PORT, ROUTER_METRICS_PORT = 6000, 6001, 9464
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -80,6 +83,49 @@ def unavailable_reason() -> str | None:
         if done.returncode != 0:
             return f"cannot make a {what} link: {done.stderr.strip()}"
     return None
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces and root links of networks whose process is gone (killed before its
+    clean-up ran); only names of this module's own pattern, ``kcPID-...``. The names removed."""
+    removed = []
+    namespaces = _ip("netns", "list", check=False).stdout.split()
+    links = re.findall(r"^\d+: ([^:@\s]+)", _ip("-o", "link", "show", check=False).stdout, re.MULTILINE)
+    for name in [*namespaces, *links]:
+        match = _OWN_NAME.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if name in namespaces:
+            _ip("netns", "delete", name, check=False)
+        else:
+            _ip("link", "delete", name, check=False)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 of ADDRESS_RANGE that no route of this machine covers yet, starting from one chosen by
+    the process id (so that two runs at once take two)."""
+    taken = []
+    for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            taken.append(ipaddress.ip_network(line.split()[0], strict=False))
+    subnets = [n for n in ADDRESS_RANGE.subnets(new_prefix=SUBNET_PREFIX) if isinstance(n, ipaddress.IPv4Network)]
+    start = os.getpid() % len(subnets)
+    for subnet in subnets[start:] + subnets[:start]:
+        if not any(subnet.overlaps(route) for route in taken if route.prefixlen > 0):
+            return subnet
+    raise NetworkUnavailable(f"every /{SUBNET_PREFIX} of {ADDRESS_RANGE} is routed already")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -125,10 +171,8 @@ class Network:
         reason = unavailable_reason()
         if reason is not None:
             raise NetworkUnavailable(reason)
-        subnets = list(ADDRESS_RANGE.subnets(new_prefix=SUBNET_PREFIX))
-        subnet = subnets[os.getpid() % len(subnets)]
-        assert isinstance(subnet, ipaddress.IPv4Network)
-        network = cls(f"kc{os.getpid() % 100000}", subnet)
+        remove_stale()
+        network = cls(f"{NAME_PREFIX}{os.getpid()}", _free_subnet())
         try:
             network._make_switch()
             yield network

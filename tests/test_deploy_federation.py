@@ -20,7 +20,7 @@ import pytest
 from benchmarks.simulated_hosts import Federation, Keys, Network, unavailable_reason
 from kcoral import AsyncClient, KCoralError, Program, ProgramResult, protocol
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
 
 NODES = ("b1", "b2", "b3")
 CLIENTS = ("alice", "bob")
