@@ -13,6 +13,7 @@ import pytest
 
 from kcoral.builtins import compare
 from kcoral.errors import ExecutionError
+from kcoral.timing import trust
 from kcoral.timing.cupti import EXTERNAL_ID_BLOCK, HOLD_ID_OFFSET, Activity
 from kcoral.timing.nvml import Nvml
 from tests.test_benchmark_simulated import SimulatedTracer, simulated_gpu  # noqa: F401  (the fixture)
@@ -87,6 +88,7 @@ class FakeNvml:
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[tuple[ScriptedTracer, FakeNvml]]:
     nvml = FakeNvml()
+    trust.arm(use_cupti=False)  # the process's armed state, before any stand-in: other tests verify against it
     # Before the simulated state's snapshot is taken, so that the stand-in is part of it.
     monkeypatch.setattr(Nvml, "open", classmethod(lambda cls, torch, device: nvml))
     monkeypatch.setattr("tests.test_benchmark_simulated.SimulatedTracer", ScriptedTracer)
