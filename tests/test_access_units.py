@@ -12,9 +12,9 @@ import zmq
 from zmq.utils import z85
 
 from kcoral import keys
-from kcoral.broker.requests import RequestQueue
 from kcoral.service import auth
 from kcoral.service.fairness import OrphanWatch, RateLimit, UploadBudget
+from kcoral.service.queue import RequestQueue
 
 
 class Clock:

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kcoral import Client, KCoralError, Program
-from kcoral.metrics import outcome_of, parse_listen
+from kcoral.service.metrics import outcome_of, parse_listen
 from tests.helpers import BrokerFactory, RunningBroker, free_port
 from tests.test_router import node_broker, router_factory, wait_live
 

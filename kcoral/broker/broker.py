@@ -27,15 +27,17 @@ from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, Pr
 from kcoral.broker.launch import slot_specs
 from kcoral.broker.leases import LeaseTable, choose_gpus
 from kcoral.broker.provenance import Provenance
-from kcoral.broker.requests import Request, RequestQueue, Worker
+from kcoral.broker.requests import Request, Worker
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
-from kcoral.broker.target import TargetInfo, describe_target, versions
+from kcoral.broker.target import TargetInfo, describe_target
 from kcoral.broker.upstream import UpstreamLink, default_node_id
 from kcoral.broker.worker_messages import WorkerMessages
 from kcoral.broker.workers import WorkerPool
-from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.service.fairness import OrphanWatch, UploadBudget
+from kcoral.service.identity import versions
+from kcoral.service.metrics import ServiceMetrics, programs_in_flight
+from kcoral.service.queue import RequestQueue
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 

@@ -23,14 +23,8 @@ from kcoral import protocol
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS
 from kcoral.keys import ClientKeys
 from kcoral.service.auth import ServerSecurity
-from kcoral.service.fairness import upload_bounds
+from kcoral.service.fairness import ORPHAN_GRACE_SECONDS, client_queue_limit, upload_bounds
 
-# Fair share. Without --max-queued-per-client one client may fill this fraction of --max-queued:
-# four busy clients together can fill the queue, one alone leaves room for everyone else.
-CLIENT_QUEUE_SHARE = 4
-# How long a vanished client's running programs go on before they are cancelled: a short network
-# blip (the DEALER reconnects under the same identity) costs nothing, a gone client little GPU time.
-ORPHAN_GRACE_SECONDS = 10.0
 # CPU workers where there are no GPUs: the host's cores, 1 to this many.
 MAX_DEFAULT_CPU_WORKERS = 4
 SANDBOXES = ("auto", "bubblewrap", "none")
@@ -109,7 +103,7 @@ class BrokerSettings:
     security: ServerSecurity | None = None
     insecure_listen_any: bool = False
     upstream_keys: ClientKeys | None = None  # CURVE on the link to the router
-    max_queued_per_client: int | None = None  # None: max_queued // CLIENT_QUEUE_SHARE
+    max_queued_per_client: int | None = None  # None: a fair share (kcoral.service.fairness)
     orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
     # Bytes of uploads in progress (programs still negotiating their blobs); None: twice
     # max_request_bytes in all, and max_request_bytes per client.
@@ -127,15 +121,8 @@ class BrokerSettings:
         """(in all, per client) bytes of uploads in progress."""
         return upload_bounds(self.max_request_bytes, self.max_upload_bytes, self.max_upload_bytes_per_client)
 
-    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
-
-
-def client_queue_limit(max_queued: int, max_queued_per_client: int | None) -> int:
-    """Programs one client may have waiting: as given, or a fair fraction of the queue."""
-    if max_queued_per_client is not None:
-        return max_queued_per_client
-    return max(1, max_queued // CLIENT_QUEUE_SHARE)
 
 
 def resolve(settings: BrokerSettings) -> BrokerSettings:
@@ -209,14 +196,11 @@ def default_workspace_bytes(run_dir: Path | None, slots: int) -> int:
 
 
 __all__ = [
-    "CLIENT_QUEUE_SHARE",
     "DEFAULT_MAX_FILE_BYTES",
     "DEFAULT_MAX_OPEN_FILES",
     "DEFAULT_MAX_PROCESSES",
-    "ORPHAN_GRACE_SECONDS",
     "SANDBOXES",
     "BrokerSettings",
-    "client_queue_limit",
     "default_cpu_workers",
     "resolve",
     "slot_count",

@@ -15,9 +15,6 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-import zmq
-
-from kcoral import protocol
 from kcoral.broker.devices import GpuNode, gpu_nodes, normalize_bus_id, read_information_files
 
 NVIDIA_SMI_TIMEOUT_SECONDS = 20.0
@@ -148,15 +145,3 @@ def describe_target(device: str, gpus: tuple[int, ...] | None, fake_gpus: int) -
             raise TargetError("--device gpu, but nvidia-smi lists no GPU on this host")
         return TargetInfo("cpu", (), 0, extra)
     return TargetInfo("gpu", tuple(found), 0, extra)
-
-
-def versions() -> dict[str, str]:
-    """Versions of what runs here: Python, the protocol, kcoral and the libraries it is built on."""
-    found = {"python": platform.python_version(), "protocol": protocol.VERSION.decode()}
-    for package in ("kcoral", "pyzmq", "msgpack", "torch", "numpy"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    found["libzmq"] = zmq.zmq_version()
-    return found

@@ -117,7 +117,7 @@ def endpoint(text: str) -> str:
 
 
 def metrics_listen(text: str) -> str:
-    from kcoral.metrics import parse_listen
+    from kcoral.service.metrics import parse_listen
 
     try:
         parse_listen(text)
@@ -241,7 +241,7 @@ def add_upload_bounds(parser: argparse.ArgumentParser) -> None:
 
 
 def add_metrics_listen(parser: argparse.ArgumentParser) -> None:
-    """The Prometheus endpoint, the same for broker and router (kcoral/metrics.py)."""
+    """The Prometheus endpoint, the same for broker and router (kcoral/service/metrics.py)."""
     parser.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",

@@ -49,7 +49,7 @@ class SharedSettings(TypedDict):
 
 def shared_settings(args: argparse.Namespace, security: ServerSecurity | None) -> SharedSettings:
     """The settings both services take from the flags they share (kcoral.cli.arguments)."""
-    from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
+    from kcoral.service.fairness import ORPHAN_GRACE_SECONDS
 
     return SharedSettings(
         listen=args.listen,
@@ -88,7 +88,7 @@ def run_service(name: str, make: Callable[[], Service], cannot_start: tuple[type
     """
     import zmq
 
-    from kcoral.metrics import MetricsListenError
+    from kcoral.service.metrics import MetricsListenError
 
     log = structlog.get_logger("kcoral.cli")
 

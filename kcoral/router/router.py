@@ -51,10 +51,6 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.requests import RequestQueue
-from kcoral.broker.settings import client_queue_limit
-from kcoral.broker.target import versions
-from kcoral.metrics import ServiceMetrics, programs_in_flight
 from kcoral.router.node_messages import NodeMessages
 from kcoral.router.nodes import (
     Node,
@@ -65,7 +61,10 @@ from kcoral.router.nodes import (
 from kcoral.router.settings import NODE_WAIT_SECONDS, RouterSettings
 from kcoral.service import auth
 from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, declared_sizes, refuse_gpu_count
-from kcoral.service.fairness import OrphanWatch, UploadBudget
+from kcoral.service.fairness import OrphanWatch, UploadBudget, client_queue_limit
+from kcoral.service.identity import versions
+from kcoral.service.metrics import ServiceMetrics, programs_in_flight
+from kcoral.service.queue import RequestQueue
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket
 

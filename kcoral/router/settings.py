@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kcoral import protocol
-from kcoral.broker.settings import ORPHAN_GRACE_SECONDS
 from kcoral.service import auth
-from kcoral.service.fairness import upload_bounds
+from kcoral.service.fairness import ORPHAN_GRACE_SECONDS, upload_bounds
 
 NODE_WAIT_SECONDS = 10.0
 NODE_BLOB_MEMORY = 100_000  # digests remembered per node for blob affinity
@@ -31,7 +30,7 @@ class RouterSettings:
     insecure_listen_any: bool = False
     max_queued_per_client: int | None = None  # None: a fair fraction of max_queued, as the broker's
     orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
-    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
     # Bytes of uploads passing through to the nodes (programs still negotiating their blobs),
     # bounded as the broker's are; None: twice max_request_bytes in all, max_request_bytes per client.

@@ -18,6 +18,12 @@ K = TypeVar("K", bound=Hashable)
 # a flood from ever new identities costs bounded memory; a forgotten client starts with a full
 # bucket, which only ever helps an honest client.
 MAX_TRACKED_CLIENTS = 100_000
+# Without --max-queued-per-client one client may fill this fraction of --max-queued:
+# four busy clients together can fill the queue, one alone leaves room for everyone else.
+CLIENT_QUEUE_SHARE = 4
+# How long a vanished client's running programs go on before they are cancelled: a short network
+# blip (the DEALER reconnects under the same identity) costs nothing, a gone client little GPU time.
+ORPHAN_GRACE_SECONDS = 10.0
 
 
 class RateLimit(Generic[K]):
@@ -64,6 +70,13 @@ class RateLimit(Generic[K]):
 class UploadRefusal:
     kind: str  # "busy": wait and retry; "request_too_large": never fits this service
     message: str
+
+
+def client_queue_limit(max_queued: int, max_queued_per_client: int | None) -> int:
+    """Programs one client may have waiting: as given, or a fair fraction of the queue."""
+    if max_queued_per_client is not None:
+        return max_queued_per_client
+    return max(1, max_queued // CLIENT_QUEUE_SHARE)
 
 
 def upload_bounds(max_request_bytes: int, total: int | None, per_client: int | None) -> tuple[int, int]:

@@ -38,10 +38,10 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.metrics import MetricsServer, ServiceMetrics
 from kcoral.service import auth
 from kcoral.service.auth import peer_identity
 from kcoral.service.fairness import RateLimit
+from kcoral.service.metrics import MetricsServer, ServiceMetrics
 from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.service.tasks import TaskSet
 
@@ -172,7 +172,7 @@ class ShellSettings:
     # More options for the client socket, set before it binds.
     socket_options: Mapping[int, int | bytes] = field(default_factory=dict)
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
-    # HOST:PORT of the Prometheus endpoint (kcoral/metrics.py), or None for none.
+    # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
 
     @classmethod

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-log = structlog.get_logger("kcoral.metrics")
+log = structlog.get_logger("kcoral.service.metrics")
 
 # Programs take from a millisecond (a constant) to the 900 s timeout.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
