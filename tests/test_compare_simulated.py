@@ -215,3 +215,15 @@ def test_the_wait_for_a_cool_gpu_and_the_conditions_in_both_reports(gpu: tuple[S
     with pytest.raises(ExecutionError) as caught:
         benchmark(a, torch.ones(256), config={"cool_temp_c": 500})
     assert caught.value.kind == "parse"
+
+
+def test_a_gpu_throttled_all_along_gives_a_number_marked_suspect(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, nvml = gpu
+    nvml.reasons = 0x4  # power capped at every reading
+    result = compare(
+        kernel(tracer, 500_000), kernel(tracer, 600_000), torch.ones(256), config={**FAST, "budget_ms": 300}
+    )
+    assert result["stop"]["reason"] == "budget" and result["verdict"] == "unclear"
+    assert result["verdict_if_trusted"] == "slower" and result["ratio"] == pytest.approx(1.2, rel=0.01)
+    assert any("interval is of all samples" in reason for reason in result["integrity"]["reasons"])
+    assert result["clock"]["samples_used"] == 0 and result["clock"]["samples_left_out"]["throttled"] > 0

@@ -115,6 +115,7 @@ class Side:
     block: int = 1
     warmup: int = 0
     samples_ms: list[float] = field(default_factory=list)
+    all_samples_ms: list[float] = field(default_factory=list)  # the left out too
     host_ms: list[float] = field(default_factory=list)
     clocks_mhz: list[int] = field(default_factory=list)
     left_out: Counter[str] = field(default_factory=Counter)
@@ -124,8 +125,9 @@ class Side:
     reasons: list[str] = field(default_factory=list)
     late_calls: int = 0
 
-    def run_block(self, nvml: Nvml | None, floor_mhz: float | None) -> list[float]:
-        """Time one block of calls; the samples kept (the others are counted in ``left_out``)."""
+    def run_block(self, nvml: Nvml | None, floor_mhz: float | None) -> tuple[list[float], list[float]]:
+        """Time one block of calls; (the samples kept, all of them). Those left out are counted in
+        ``left_out``."""
         clocks = ClockReadings(nvml)
         measurement, _ = self.timer.measure(
             self.ready.runner,
@@ -155,10 +157,11 @@ class Side:
         self.stable = self.stable and measurement.stable
         self.activities.add(measurement.activities_per_call)
         self.late_calls += measurement.late_calls or 0
+        self.all_samples_ms.extend(measurement.samples_ms)
         for reason in measurement.reasons:
             if reason not in self.reasons and len(self.reasons) < REASONS_KEPT:
                 self.reasons.append(reason)
-        return kept
+        return kept, measurement.samples_ms
 
 
 def compare(
@@ -286,19 +289,22 @@ def _run(
     if flush_changed:
         raise ExecutionError("integrity", "the timer's L2 flush buffer was changed during the measurement")
     checked = {side.name: _check(torch, trusted, side, check, spent) for side in sides}
-    if not ratios or any(not side.samples_ms for side in sides):
-        raise ExecutionError(
-            "unavailable",
-            "no round kept samples of both A and B "
-            f"(left out: {', '.join(f'{s.name.upper()} {dict(s.left_out)}' for s in sides)})",
-        )
+    if not done.unfiltered:
+        raise ExecutionError("unavailable", "the calls launched no GPU work in any round: there is nothing to compare")
+    clock = _clock_report(sides, max_clock, floor_mhz, settings.max_left_out)
+    filtered = bool(ratios) and all(side.samples_ms for side in sides)
+    if not filtered:
+        # Better a number marked suspect (the clock report says why) than none at all.
+        ratios = done.unfiltered
+        reasons.append("no round kept samples of both A and B at a steady clock: the interval is of all samples")
+        for side in sides:
+            side.samples_ms = list(side.all_samples_ms)
     final = ratio_interval(ratios, confidence=settings.confidence, resamples=BOOTSTRAP_RESAMPLES, seed=seed)
     described = {side.name: _describe_side(side, checked[side.name]) for side in sides}
     for side in sides:
         gap = host_gap_reason(described[side.name]["latency_ms_median"], described[side.name]["host_ms_median"])
         if gap is not None:
             reasons.append(f"{side.name.upper()}: {gap}")
-    clock = _clock_report(sides, max_clock, floor_mhz, settings.max_left_out)
     reasons.extend(clock.pop("reasons"))
     statistical = decide(final, settings.threshold)
     integrity = verdict(reasons)
@@ -352,6 +358,7 @@ class Rounds:
     """What the rounds gave: the ratio of each kept round, and why and when they stopped."""
 
     ratios: list[float] = field(default_factory=list)
+    unfiltered: list[float] = field(default_factory=list)  # each round's ratio of all its samples
     left_out: int = 0  # rounds in which a side kept no sample
     orders: list[str] = field(default_factory=list)
     stop: str = ""
@@ -371,9 +378,15 @@ def _rounds(
         order = block_order(settings.order, trusted.randbelow)
         done.orders.append(order)
         kept: dict[str, list[float]] = {"A": [], "B": []}
+        every: dict[str, list[float]] = {"A": [], "B": []}
         with QuietInterpreter(trusted):
             for letter in order:
-                kept[letter].extend(by_name[letter].run_block(nvml, floor_mhz))
+                block_kept, block_all = by_name[letter].run_block(nvml, floor_mhz)
+                kept[letter].extend(block_kept)
+                every[letter].extend(block_all)
+        unfiltered = round_ratio(every["A"], every["B"])
+        if unfiltered is not None:
+            done.unfiltered.append(unfiltered)
         ratio = round_ratio(kept["A"], kept["B"])
         if ratio is None:
             done.left_out += 1
