@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from kcoral.errors import ExecutionError
 from kcoral.timing.calibrate import (
+    Calibration,
     DefenceTime,
     calibrate,
     check_subscriber,
@@ -28,7 +29,7 @@ from kcoral.timing.calibrate import (
     wait_for_cool_gpu,
     warm_up,
 )
-from kcoral.timing.conditions import gpu_conditions
+from kcoral.timing.conditions import CoolWait, gpu_conditions
 from kcoral.timing.config import BenchmarkConfig, split_config
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
@@ -184,22 +185,67 @@ def _run(
     keep_outputs: int,
     spent: DefenceTime,
 ) -> BenchmarkRun:
-    trusted = state.trusted
-    defences = settings.defences
+    """Calibrate (:mod:`kcoral.timing.calibrate`), measure the counted calls, report."""
     device = torch.cuda.current_device()
     nvml = Nvml.open(torch, device)
-    cool = wait_for_cool_gpu(nvml, settings, trusted)
+    cool = wait_for_cool_gpu(nvml, settings, state.trusted)
     conditions_before = gpu_conditions(nvml)
-    ready = calibrate(trusted, torch, fn, plan, timer, nvml, settings, spent)
-    runner = ready.runner
-    check_again = defences and plan.mode == MODE_ROTATED and check is None and not ready.writes_inputs
+    ready = calibrate(state.trusted, torch, fn, plan, timer, nvml, settings, spent)
     warmup = warm_up(ready, settings)
     repeat = (
         settings.repeat
         if settings.repeat is not None
         else count_from_budget(settings.repeat_ms, ready.per_call_ms, minimum=1)
     )
+    counted = _measure(torch, state, settings, timer, plan, check, keep_outputs, spent, ready, nvml, repeat)
+    report = _report(
+        torch,
+        device,
+        nvml,
+        settings,
+        timer,
+        plan,
+        ready,
+        counted,
+        warmup=warmup,
+        repeat=repeat,
+        cool=cool,
+        conditions_before=conditions_before,
+    )
+    return BenchmarkRun(report, counted.measurement.kept)
 
+
+@dataclass
+class _Counted:
+    """The counted calls: their measurement, the clock around them, what the defences found."""
+
+    measurement: Measurement
+    before: dict[str, Any]  # clock_state before the counted calls
+    after: dict[str, Any]  # and after
+    reasons: list[str]
+    outputs_checked: int
+    watch_details: dict[str, Any]
+
+
+def _measure(
+    torch: Any,
+    state: ArmedState,
+    settings: BenchmarkConfig,
+    timer: CuptiTimer | EventTimer,
+    plan: InputPlan,
+    check: OutputCheck | None,
+    keep_outputs: int,
+    spent: DefenceTime,
+    ready: Calibration,
+    nvml: Nvml | None,
+    repeat: int,
+) -> _Counted:
+    """The counted calls, watched by the defences (unless ``defences=False``): the trusted state,
+    the environment, the kept outputs checked again afterwards."""
+    trusted = state.trusted
+    defences = settings.defences
+    runner = ready.runner
+    check_again = defences and plan.mode == MODE_ROTATED and check is None and not ready.writes_inputs
     checking = defences and (check is not None or check_again or keep_outputs_always(plan))
     reservoir = OutputReservoir(keep_outputs if checking else 0, trusted.randbelow)
     before = clock_state(nvml)
@@ -247,7 +293,29 @@ def _run(
                 expected=again if check is None else None,
                 assert_close=torch.testing.assert_close,
             )
+    details = watch.details if watch is not None else {}
+    return _Counted(measurement, before, after, reasons, outputs_checked, details)
 
+
+def _report(
+    torch: Any,
+    device: Any,
+    nvml: Nvml | None,
+    settings: BenchmarkConfig,
+    timer: CuptiTimer | EventTimer,
+    plan: InputPlan,
+    ready: Calibration,
+    counted: _Counted,
+    *,
+    warmup: int,
+    repeat: int,
+    cool: CoolWait,
+    conditions_before: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The report of the counted calls (the keys of ``benchmark``'s docstring)."""
+    measurement, before, after = counted.measurement, counted.before, counted.after
+    reasons = list(counted.reasons)
+    hold_cycles, unheld = ready.hold_cycles, ready.unheld
     result: dict[str, Any] = summarize(measurement.samples_ms)
     host = _host_summary(measurement)
     gap = host_gap_reason(result["latency_ms_median"], host["host_ms_median"])
@@ -283,12 +351,12 @@ def _run(
             "gpu": str(torch.cuda.get_device_name(device)),
             "device_index": int(device) if isinstance(device, int) else None,
             "inputs": {**plan.describe(), "first_timed_index": measurement.first_input_index},
-            "outputs_checked": outputs_checked,
+            "outputs_checked": counted.outputs_checked,
             "integrity": verdict(reasons),
-            "integrity_details": {**measurement.details, **(watch.details if watch is not None else {})},
+            "integrity_details": {**measurement.details, **counted.watch_details},
         }
     )
-    return BenchmarkRun(result, measurement.kept)
+    return result
 
 
 def _host_summary(measurement: Measurement) -> dict[str, float | None]:
