@@ -98,6 +98,11 @@ def test_verdict_bounds_and_too_few_rounds() -> None:
 def test_round_ratio_and_trimmed_mean() -> None:
     assert round_ratio([1.0, 2.0, 3.0], [4.0, 4.0]) == 2.0
     assert round_ratio([], [1.0]) is None and round_ratio([0.0], [1.0]) is None
+    # On CUPTI's 32 ns grid a round's median is interpolated within the step, not a whole step apart.
+    a = [0.005024] * 6 + [0.005056] * 4
+    b = [0.005024] * 4 + [0.005056] * 6
+    grid_ratio = round_ratio(a, b)
+    assert grid_ratio is not None and 1.0 < grid_ratio < 1.006
     assert trimmed_mean([1.0] * 9 + [100.0]) == 1.0  # one outlier in ten trimmed away
     assert noise([1.0]) is None and noise([1.0, 1.0]) == 0.0
 
