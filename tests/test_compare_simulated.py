@@ -227,3 +227,10 @@ def test_a_gpu_throttled_all_along_gives_a_number_marked_suspect(gpu: tuple[Scri
     assert result["verdict_if_trusted"] == "slower" and result["ratio"] == pytest.approx(1.2, rel=0.01)
     assert any("interval is of all samples" in reason for reason in result["integrity"]["reasons"])
     assert result["clock"]["samples_used"] == 0 and result["clock"]["samples_left_out"]["throttled"] > 0
+
+
+def test_cuda_events_time_the_rounds_where_asked(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    x = torch.ones(1 << 16)
+    result = compare(lambda t: t * 2, lambda t: t * 2, x, config={**FAST, "method": "cuda_event", "budget_ms": 300})
+    assert result["method"] == "cuda_event" and result["a"]["samples"] > 0
+    assert result["stop"]["reason"] in ("target", "budget") and result["verdict"] in ("same", "unclear")
