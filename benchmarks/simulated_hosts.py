@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import os
 import re
 import shlex
@@ -436,17 +435,17 @@ class Federation:
             time.sleep(0.5)
 
     def broker_ready(self, node_id: str) -> bool:
-        """``kcoral status --json`` on the broker's host, against its loopback endpoint: every slot idle."""
+        """``kcoral status --ready`` on the broker's host, against its loopback endpoint, as the
+        Kubernetes readiness probe asks: every slot has had a worker ready, and the node is registered."""
         broker = self.brokers[node_id]
         host = self.network.hosts[self._hosts[node_id]]
-        status = [sys.executable, "-m", "kcoral.cli", "status", "--json", broker.url]
+        status = [sys.executable, "-m", "kcoral.cli", "status", "--ready", broker.url]
         argv = ["ip", "netns", "exec", host.namespace, *status]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-            workers = json.loads(done.stdout)["workers"] if done.returncode == 0 else {}
-        except (subprocess.TimeoutExpired, ValueError, KeyError):
+        except subprocess.TimeoutExpired:
             return False
-        return bool(workers) and workers.get("idle", 0) >= workers.get("slots", 1)
+        return done.returncode == 0
 
     def stop(self) -> dict[str, int]:
         """One SIGTERM (a unit's stop) to every broker, then to the router; their exit statuses.

@@ -157,7 +157,7 @@ def test_the_router_deployment_serves_clients_and_nodes_with_keys_from_secrets(
     probe = router["readinessProbe"]["exec"]["command"]
     assert probe[0] == "kcoral"
     status = parse_cli(probe[1:])
-    assert status.command == "status" and status.url.endswith(f":{ports['clients']}")
+    assert status.command == "status" and status.ready and status.url.endswith(f":{ports['clients']}")
     for path in (status.server_key, status.client_key):
         assert "secret" in mounted(str(path), router, pod), path
     assert pod["terminationGracePeriodSeconds"] >= LONGEST_PROGRAM_SECONDS
@@ -190,7 +190,7 @@ def test_the_broker_daemonset_claims_the_gpus_and_dials_the_router_as_its_node(
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
     probe = broker["readinessProbe"]["exec"]["command"]
-    assert probe[0] == "kcoral" and parse_cli(probe[1:]).url == args.listen
+    assert probe[0] == "kcoral" and parse_cli(probe[1:]).ready and parse_cli(probe[1:]).url == args.listen
     assert pod["terminationGracePeriodSeconds"] >= LONGEST_PROGRAM_SECONDS
     metrics_port = next(p["containerPort"] for p in broker["ports"] if p["name"] == "metrics")
     assert args.metrics_listen.endswith(f":{metrics_port}")
@@ -209,6 +209,50 @@ def test_the_monitors_scrape_the_metrics_ports(manifests: dict[tuple[str, str], 
     assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     ports = {p["name"] for p in containers(daemonset)["broker"]["ports"]}
     assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= ports
+
+
+# --- readiness ------------------------------------------------------------------------------------
+
+
+def ready(url: str) -> subprocess.CompletedProcess[str]:
+    """``kcoral status --ready URL``, as the readiness probes run it."""
+    argv = python_command(["kcoral", "status", "--ready", url])
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_status_ready_says_whether_a_broker_has_joined_its_router(tmp_path: Path, broker_factory: Any) -> None:
+    nodes_url = f"tcp://127.0.0.1:{free_port()}"
+    broker = broker_factory("--workers", "1", "--upstream", nodes_url, "--node-id", "n1")
+    # Every slot is ready, but no router listens at --upstream yet: not ready, and why.
+    waiting = ready(broker.url)
+    assert waiting.returncode == arguments.EXIT_NOT_READY and not waiting.stdout, waiting
+    assert f"not registered with the router at {nodes_url} as node n1" in waiting.stderr
+    router = start_router(tmp_path, nodes_url=nodes_url, timeout_seconds=30)
+    try:
+        deadline = time.monotonic() + 30
+        while (done := ready(broker.url)).returncode != 0:
+            assert time.monotonic() < deadline, done.stderr
+            time.sleep(0.5)
+        assert done.stdout == "" and ready(router.url).returncode == 0
+        status = subprocess.run(
+            python_command(["kcoral", "status", broker.url]), capture_output=True, text=True, timeout=60
+        )
+        assert f"upstream  {nodes_url} as node n1: registered (router " in status.stdout
+    finally:
+        router.stop()
+    unreachable = ready(f"tcp://127.0.0.1:{free_port()}")
+    assert unreachable.returncode == arguments.EXIT_UNAVAILABLE
+
+
+def test_not_ready_names_the_reason() -> None:
+    from kcoral.cli.status import not_ready
+
+    assert not_ready({"status": "ok", "role": "router"}) is None
+    assert not_ready({"status": "draining", "role": "router"}) == "status 'draining'"
+    starting = {"status": "ok", "ready": False, "workers": {"idle": 1, "slots": 2}}
+    assert not_ready(starting) == "worker slots starting: 1 of 2 ready"
+    joined = {"status": "ok", "ready": True, "upstream": {"url": "tcp://r:6001", "node_id": "a", "registered": True}}
+    assert not_ready(joined) is None and not_ready({"status": "ok", "ready": True}) is None
 
 
 # --- systemd ---------------------------------------------------------------------------------------

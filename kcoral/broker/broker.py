@@ -439,6 +439,10 @@ class Broker:
             **programs_in_flight([r.describe(now) for r in self.requests]),
             "sandbox": self.settings.sandbox,
             **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
+            # Once every worker slot has had a worker ready (the broker_ready line): readiness probes
+            # ask for it, and for the upstream link's registration (kcoral status --ready).
+            "ready": self.worker_messages.ready_announced,
+            **({"upstream": self.upstream.describe()} if self.upstream is not None else {}),
             "target": self.target_wire,
             "versions": self.versions,
         }

@@ -143,6 +143,15 @@ class UpstreamLink:
             self._local.close(linger=0)
             self._local = None
 
+    def describe(self) -> dict[str, Any]:
+        """The link as the broker's HEALTH reports it (``upstream``)."""
+        return {
+            "url": self.upstream,
+            "node_id": self.node_id,
+            "registered": self.registered,
+            "router_instance_id": self.router_instance,
+        }
+
     # --- the link to the router ---
 
     def _open_link(self) -> zmq.asyncio.Socket:

@@ -13,6 +13,7 @@ from kcoral import protocol
 from kcoral.units import format_bytes, parse_size
 
 EXIT_OK = 0
+EXIT_NOT_READY = 1  # kcoral status --ready: the service answers but is not ready for programs
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69  # the service could not be reached
 EXIT_CONFIG = 78  # the service cannot start with these settings

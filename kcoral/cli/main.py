@@ -18,6 +18,7 @@ import structlog
 from kcoral import __version__
 from kcoral.cli.arguments import (
     EXIT_CONFIG,
+    EXIT_NOT_READY,
     EXIT_OK,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -85,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--count", type=positive, default=None, metavar="N", help="stop after N pages (implies --watch)"
     )
+    status.add_argument(
+        "--ready",
+        action="store_true",
+        help=f"print nothing; exit {EXIT_OK} when the service is ready for programs, {EXIT_NOT_READY} when it "
+        f"is not (why on stderr), {EXIT_UNAVAILABLE} when it does not answer: a readiness probe",
+    )
     add_key_arguments(status, key_defaults)
     status.set_defaults(run=_status)
 
@@ -127,7 +134,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from kcoral import KCoralError
-    from kcoral.cli.status import show, watch
+    from kcoral.cli.status import check_ready, show, watch
     from kcoral.tools.adapter import UsageError, keys_from_args
 
     url = args.url or os.environ.get("KCORAL_URL") or DEFAULT_BROKER_URL
@@ -136,8 +143,16 @@ def _status(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"kcoral status: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.ready and (args.watch or args.count or args.json):
+        print("kcoral status: --ready goes without --watch, --count and --json", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        if args.watch or args.count:
+        if args.ready:
+            reason = check_ready(url, keys=keys)
+            if reason is not None:
+                print(f"kcoral status: {url} is not ready: {reason}", file=sys.stderr)
+                return EXIT_NOT_READY
+        elif args.watch or args.count:
             watch(url, as_json=args.json, interval=args.interval, count=args.count, keys=keys)
         else:
             show(url, as_json=args.json, keys=keys)

@@ -58,8 +58,36 @@ def render(health: Mapping[str, Any], url: str, *, now: float | None = None) -> 
     lines += _leases(health.get("leases"))
     lines += _workers(health.get("workers"))
     lines += _cache(health.get("cache"))
+    lines += _upstream(health.get("upstream"))
     lines += _nodes(health.get("nodes"))
     return "\n".join(lines) + "\n"
+
+
+def not_ready(health: Mapping[str, Any]) -> str | None:
+    """Why the service is not ready to take programs, or None when it is: ``kcoral status --ready``,
+    the readiness probe of deploy/. A router is ready while it serves (it queues programs until a
+    node registers); a broker once every worker slot has had a worker ready and, with
+    ``--upstream``, while it is registered with its router."""
+    if health.get("status") != "ok":
+        return f"status {health.get('status')!r}"
+    if health.get("role") == "router":
+        return None
+    if health.get("ready") is False:
+        workers = health.get("workers")
+        workers = workers if isinstance(workers, Mapping) else {}
+        return f"worker slots starting: {workers.get('idle')} of {workers.get('slots')} ready"
+    upstream = health.get("upstream")
+    if isinstance(upstream, Mapping) and not upstream.get("registered"):
+        return f"not registered with the router at {upstream.get('url')} as node {upstream.get('node_id')}"
+    return None
+
+
+def _upstream(upstream: Any) -> list[str]:
+    if not isinstance(upstream, Mapping):
+        return []
+    registered = upstream.get("registered")
+    state = f"registered (router {upstream.get('router_instance_id')})" if registered else "not registered"
+    return [f"upstream  {upstream.get('url')} as node {upstream.get('node_id')}: {state}"]
 
 
 def _programs(health: Mapping[str, Any], now: float) -> list[str]:
@@ -210,6 +238,12 @@ def _duration(seconds: Any) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+def check_ready(url: str, *, keys: ClientKeys | None = None) -> str | None:
+    """:func:`not_ready` of the service's health; KCoralError when it cannot be asked."""
+    with Client(url, connect_timeout_seconds=5.0, keys=keys) as client:
+        return not_ready(client.health())
+
+
 def show(url: str, *, as_json: bool, out: TextIO = sys.stdout, keys: ClientKeys | None = None) -> None:
     """Print the status once; KCoralError when the service cannot be asked."""
     with Client(url, connect_timeout_seconds=5.0, keys=keys) as client:
@@ -251,4 +285,4 @@ def watch(
                 time.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
-__all__ = ["KCoralError", "render", "show", "watch"]
+__all__ = ["KCoralError", "check_ready", "not_ready", "render", "show", "watch"]
