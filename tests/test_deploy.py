@@ -211,6 +211,51 @@ def test_the_monitors_scrape_the_metrics_ports(manifests: dict[tuple[str, str], 
     assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= ports
 
 
+# --- bubblewrap in a container --------------------------------------------------------------------
+
+# Paths a container runtime masks in /proc by default, and how: a file gets /dev/null, a directory
+# an empty read-only tmpfs.
+CONTAINER_MASKS = ("/proc/kcore", "/proc/timer_list", "/proc/sched_debug", "/proc/acpi", "/proc/scsi")
+
+
+def test_a_broker_whose_proc_is_masked_as_in_a_container_refuses_to_start_and_names_the_fix(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("masking /proc in a mount namespace of the test's own needs root and unshare")
+    masks = [p for p in CONTAINER_MASKS if Path(p).exists()]
+    if not masks:
+        pytest.skip(f"none of {CONTAINER_MASKS} exists here to mask")
+    mount = [
+        f"mount -t tmpfs -o ro,size=4k tmpfs {p}" if Path(p).is_dir() else f"mount --bind /dev/null {p}" for p in masks
+    ]
+    broker = shlex.join(python_command(["kcoral", "broker", "--listen", f"tcp://127.0.0.1:{free_port()}"]))
+    script = " && ".join([*mount, f"exec {broker} --device cpu --workers 1 --run-dir {tmp_path / 'run'}"])
+    # A mount namespace of its own (private: nothing reaches the host's), gone when the broker exits.
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == arguments.EXIT_CONFIG, done.stdout + done.stderr
+    assert "Can't mount proc" in done.stderr and "systempaths=unconfined" in done.stderr
+    assert "procMount: Unmasked" in done.stderr and masks[0] in done.stderr
+
+
+def test_masked_proc_paths_reads_the_mounts_below_proc() -> None:
+    from kcoral.sandbox.bubblewrap import masked_proc_paths
+
+    mountinfo = "\n".join(
+        [
+            "22 1 0:21 / /proc rw,nosuid - proc proc rw",
+            "23 22 0:5 /null /proc/kcore rw - devtmpfs udev rw",
+            "24 22 0:40 / /proc/acpi ro - tmpfs tmpfs ro",
+            "25 22 0:41 / /proc/sys/fs/binfmt_misc rw - autofs systemd-1 rw",
+            "26 1 0:42 / /process-data rw - ext4 /dev/sda1 rw",
+        ]
+    )
+    assert masked_proc_paths(mountinfo) == ["/proc/kcore", "/proc/acpi"]
+
+
 # --- readiness ------------------------------------------------------------------------------------
 
 

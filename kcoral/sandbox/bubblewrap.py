@@ -131,6 +131,43 @@ HOW_TO_FIX: Final = (
 )
 
 
+# bwrap mounts a fresh procfs for its pid namespace; from inside a user namespace the kernel refuses
+# that while the /proc it would reveal more than has paths covered by other mounts, as a container
+# runtime covers /proc/kcore, /proc/timer_list, /proc/acpi, ... by default ("mount too revealing").
+PROC_REFUSED: Final = "Can't mount proc"
+PROC_MASKED_FIX: Final = (
+    "this /proc has paths covered by other mounts ({mounts}), as a container runtime masks them by "
+    "default, and the kernel then refuses the sandbox a /proc of its own: run the container with /proc "
+    "unmasked (Docker: --security-opt systempaths=unconfined; Kubernetes: procMount: Unmasked) or "
+    "privileged (docs/deploy.md, 'bubblewrap in a container'); "
+    "or start the broker with `--sandbox none` to run workers without isolation"
+)
+
+
+def masked_proc_paths(mountinfo: str | None = None) -> list[str]:
+    """The mount points below ``/proc`` (from ``/proc/self/mountinfo`` unless given), such as a
+    container's masks; ``binfmt_misc`` (on an empty directory, which the kernel allows) left out."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return []
+    points = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4].startswith("/proc/") and not fields[4].endswith("/binfmt_misc"):
+            points.append(fields[4])
+    return points
+
+
+def _how_to_fix(reason: str) -> str:
+    masked = masked_proc_paths() if PROC_REFUSED in reason else []
+    if masked:
+        shown = ", ".join(masked[:4]) + (f" and {len(masked) - 4} more" if len(masked) > 4 else "")
+        return PROC_MASKED_FIX.format(mounts=shown)
+    return HOW_TO_FIX
+
+
 class SandboxUnavailable(RuntimeError):
     """Raised when bwrap cannot run here; the message says how to fix it."""
 
@@ -227,9 +264,9 @@ def check_bwrap(bwrap: Path | None = None, *, with_gpus: bool = False) -> Path:
         if with_gpus:
             raise SandboxUnavailable(
                 f"{bwrap} cannot give a sandbox the capabilities ({', '.join(CONFINEMENT_CAPABILITIES)}, in its "
-                f"own user namespace) that confine each worker to its program's GPUs: {reason}; {HOW_TO_FIX}"
+                f"own user namespace) that confine each worker to its program's GPUs: {reason}; {_how_to_fix(reason)}"
             )
-        raise SandboxUnavailable(f"{bwrap} failed a trivial sandbox: {reason}; {HOW_TO_FIX}")
+        raise SandboxUnavailable(f"{bwrap} failed a trivial sandbox: {reason}; {_how_to_fix(reason)}")
     return bwrap
 
 
