@@ -20,7 +20,7 @@ import pytest
 
 from kcoral import protocol
 from kcoral.broker.leases import LeaseTable
-from kcoral.broker.requests import Request, Worker
+from kcoral.broker.requests import Request, RequestState, Worker
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor
 from kcoral.broker.worker_messages import WorkerMessages
@@ -75,7 +75,7 @@ class Harness:
     def running(self, worker: Worker) -> Request:
         """Start a program on ``worker`` as the broker's dispatch does."""
         request = Request("r1", b"alice", {"instructions": []}, protocol.parse_options({}), [], 1)
-        request.state, request.gpu_ids, request.worker = "running", (0,), worker
+        request.state, request.gpu_ids, request.worker = RequestState.RUNNING, (0,), worker
         request.queued_at = request.started_at = time.monotonic()
         self.side.requests.add(request)
         self.side.pool.idle.pop(worker.identity)

@@ -27,7 +27,7 @@ from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, Pr
 from kcoral.broker.launch import slot_specs
 from kcoral.broker.leases import LeaseTable, choose_gpus
 from kcoral.broker.provenance import Provenance
-from kcoral.broker.requests import Request, Worker
+from kcoral.broker.requests import Request, RequestState, Worker
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.target import TargetInfo, describe_target
@@ -201,7 +201,7 @@ class Broker:
         request = self.requests.of(message.client, message.request_id)
         if request is None:
             return
-        log.info("request_cancelled", request_id=request.id, state=request.state)
+        log.info("request_cancelled", request_id=request.id, state=request.state.value)
         self._finish_error(request, "cancelled", "the client cancelled the program")
 
     # --- dispatch ---
@@ -238,7 +238,7 @@ class Broker:
         load = {g: 0 for g in self.gpu_ids}
         running: set[str] = set()
         for request in self.requests:
-            if request.state == "running":
+            if request.state == RequestState.RUNNING:
                 running.add(request.id)
                 for gpu in request.gpu_ids:
                     load[gpu] += 1
@@ -264,7 +264,7 @@ class Broker:
             preferred = worker.gpu if worker.gpu in load else None
             # Sorted: CUDA numbers a program's GPUs in PCI (= index) order, so cuda:i is gpu_ids[i].
             request.gpu_ids = tuple(sorted(choose_gpus(load, request.gpu_count, preferred)))
-        request.state = "running"
+        request.state = RequestState.RUNNING
         request.started_at = time.monotonic()
         request.conditions_at_start = self.provenance.at_start(request.gpu_ids)
         request.worker = worker
@@ -286,7 +286,7 @@ class Broker:
             log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
             self.pool.forget(worker)
             worker.request_id = None
-            request.state = "queued"
+            request.state = RequestState.QUEUED
             self.queue.push_front(request)
             return
         self.supervisor.program_started(worker.slot)
@@ -338,7 +338,7 @@ class Broker:
             self.leases.reclaim(request.id)  # held by a live worker: it goes back at the exit
         self.blobs.unpin_owner(request.id)
         self.intake.forget(request)
-        if request.state == "queued":
+        if request.state == RequestState.QUEUED:
             self.queue.remove(request)
         result = body.get("result") or {}
         now = time.monotonic()
@@ -348,7 +348,7 @@ class Broker:
             end_to_end_seconds=now - request.received_at,
             queue_seconds=(request.started_at - request.queued_at) if ran else None,
         )
-        request.state = "done"
+        request.state = RequestState.DONE
         self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
             "request_finished",
@@ -360,7 +360,7 @@ class Broker:
 
     def _finish_error(self, request: Request, kind: str, message: str) -> None:
         worker = request.worker
-        running = request.state == "running" and worker is not None
+        running = request.state == RequestState.RUNNING and worker is not None
         self.finish(request, protocol.final_error_body(request.id, kind, message), [])
         if running and worker is not None:
             # The worker may be anywhere in the user's code: kill it and all it started.
@@ -396,7 +396,7 @@ class Broker:
     def _cancel_orphans(self) -> None:
         """Programs whose client's connection is gone: nobody will read their answers. Waiting
         ones end at once, running ones once the grace is over (kcoral.service.fairness)."""
-        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.state == "running"):
+        for request, running in self.orphans.to_cancel(self.requests, lambda r: r.state == RequestState.RUNNING):
             log.warning("client_gone_cancelling", request_id=request.id, running=running)
             self._finish_error(request, "cancelled", "the client disconnected")
 
@@ -404,7 +404,7 @@ class Broker:
         """A program never waits in the queue for ever: past the queue timeout it is refused."""
         now = time.monotonic()
         limit = self.settings.queue_timeout_seconds
-        for request in [r for r in self.requests if r.state == "queued" and now - r.queued_at > limit]:
+        for request in [r for r in self.requests if r.state == RequestState.QUEUED and now - r.queued_at > limit]:
             log.warning("request_queue_timeout", request_id=request.id, waited_s=round(now - request.queued_at, 1))
             self._finish_error(request, "timeout", f"the program waited {limit:g} s in the queue without a free worker")
 
@@ -412,7 +412,7 @@ class Broker:
 
     def health(self) -> dict[str, Any]:
         now = time.monotonic()
-        running = sum(1 for r in self.requests if r.state == "running")
+        running = sum(1 for r in self.requests if r.state == RequestState.RUNNING)
         waiting = len(self.requests) - running
         return {
             "status": "draining" if self.draining else "ok",

@@ -22,7 +22,7 @@ import structlog
 
 from kcoral import protocol
 from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
-from kcoral.broker.requests import Request
+from kcoral.broker.requests import Request, RequestState
 from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
 from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, declared_sizes, refuse_gpu_count
 from kcoral.service.fairness import UploadBudget
@@ -146,7 +146,7 @@ class ProgramIntake:
         client, request_id, owner = message.client, message.request_id, message.owner or message.client
         waiting = mine = 0
         for r in self.requests:
-            if r.state in ("negotiating", "queued"):
+            if r.state in (RequestState.NEGOTIATING, RequestState.QUEUED):
                 waiting += 1
                 mine += r.owner == owner
         admitted = admit_execute(
@@ -203,10 +203,10 @@ class ProgramIntake:
             text = "BLOBS for no request that is waiting for blobs"
             self.port.refuse(message.client, message.request_id, "parse", text)
             return
-        if request.state != "negotiating":
+        if request.state != RequestState.NEGOTIATING:
             # A late or repeated BLOBS for this client's own program: the program goes on, and a
             # FINAL here would end the client's wait for its real result.
-            log.info("late_blobs_ignored", request_id=request.id, state=request.state)
+            log.info("late_blobs_ignored", request_id=request.id, state=request.state.value)
             return
         if self._store_blobs(request, message, prepared):
             # An empty BLOBS does not extend the deadline: a client that sends nothing is dropped.
@@ -307,7 +307,7 @@ class ProgramIntake:
         """
         missing = [digest for digest in request.digests if not self.blobs.has(digest)]
         if missing:
-            request.state = "negotiating"
+            request.state = RequestState.NEGOTIATING
             if progressed or request.timer is None:
                 if request.timer is not None:
                     request.timer.cancel()
@@ -329,8 +329,8 @@ class ProgramIntake:
             request.timer.cancel()
             request.timer = None
         self.uploads.release(request.id)  # its blobs are all in the store now, pinned until it ends
-        ahead = sum(1 for r in self.requests if r.state == "queued")  # for a client's progress line
-        request.state = "queued"
+        ahead = sum(1 for r in self.requests if r.state == RequestState.QUEUED)  # for a client's progress line
+        request.state = RequestState.QUEUED
         request.queued_at = time.monotonic()
         self.port.tell(request, {"request_id": request.id, "state": "queued", "position": ahead})
         self.port.enqueue(request)

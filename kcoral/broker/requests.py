@@ -6,10 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from kcoral import protocol
 from kcoral.broker.blobs import BlobAssembly
+
+
+class RequestState(StrEnum):
+    """Where a program is on its way: negotiating (its blobs) -> queued -> running -> done."""
+
+    NEGOTIATING = "negotiating"
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
 
 
 @dataclass
@@ -37,7 +47,7 @@ class Request:
     digests: list[str]
     gpu_count: int
     received_at: float = field(default_factory=time.monotonic)
-    state: str = "negotiating"  # negotiating -> queued -> running -> done
+    state: RequestState = RequestState.NEGOTIATING
     queued_at: float = 0.0
     started_at: float = 0.0
     worker: Worker | None = None
@@ -62,7 +72,7 @@ class Request:
         return {
             "request_id": self.id,
             "client": self.client.decode(errors="replace"),
-            "state": self.state,
+            "state": self.state.value,
             "age_s": round(now - self.received_at, 3),
             "gpu_ids": list(self.gpu_ids),
         }

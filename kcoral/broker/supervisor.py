@@ -19,6 +19,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,16 @@ class SlotSpec:
     env: dict[str, str] | None = None
 
 
+class SlotPhase(StrEnum):
+    """Where a slot's zygote is: starting (until it says ready), running, restarting (after it
+    died, waiting out the back-off), stopped."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"
+
+
 @dataclass
 class SlotState:
     spec: SlotSpec
@@ -70,7 +81,7 @@ class SlotState:
     worker: str | None = None
     worker_pid: int | None = None
     restarts: int = 0
-    state: str = "starting"
+    state: SlotPhase = SlotPhase.STARTING
     last_error: str = ""
     started_at: float = 0.0
     last_heard: float = 0.0  # monotonic time of the zygote's last event
@@ -127,7 +138,7 @@ class Supervisor:
             now = time.monotonic()
             for state in self.states.values():
                 process = state.process
-                if process is None or process.returncode is not None or state.state != "running":
+                if process is None or process.returncode is not None or state.state != SlotPhase.RUNNING:
                     continue
                 why = ""
                 if self._stopped(state):
@@ -167,7 +178,7 @@ class Supervisor:
             {
                 "slot": s.spec.slot,
                 "gpu": s.spec.gpu,
-                "state": s.state,
+                "state": s.state.value,
                 "zygote_pid": s.zygote_pid,
                 "worker": s.worker,
                 "restarts": s.restarts,
@@ -192,7 +203,7 @@ class Supervisor:
             if self._stopping:
                 return
             state.restarts += 1
-            state.state = "restarting"
+            state.state = SlotPhase.RESTARTING
             await self._collect_orphans()
             if time.monotonic() - state.started_at > HEALTHY_AFTER_SECONDS:
                 backoff = RESTART_BACKOFF_FIRST_SECONDS
@@ -223,7 +234,7 @@ class Supervisor:
             return
         state.process = process
         state.zygote_pid = process.pid
-        state.state = "starting"
+        state.state = SlotPhase.STARTING
         state.kill_asked = None
         state.killed_for = ""
         state.zygote_host_pid = None
@@ -256,7 +267,7 @@ class Supervisor:
             await self._collect_orphans()
             self.on_exit(WorkerExit(spec.slot, state.worker, None, None, zygote_died=True, reason=died))
             state.worker = None
-        state.state = "stopped"
+        state.state = SlotPhase.STOPPED
 
     def _handle_event(self, state: SlotState, event: dict[str, Any]) -> None:
         try:
@@ -264,7 +275,7 @@ class Supervisor:
         except ValueError:
             return
         if kind is ZygoteEvent.READY:
-            state.state = "running"
+            state.state = SlotPhase.RUNNING
             inside = optional_int(event.get("pid"))
             if state.process is not None and inside is not None:
                 # Found now, while no program runs in the sandbox to pose as it.

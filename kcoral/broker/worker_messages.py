@@ -23,7 +23,7 @@ from kcoral import protocol
 from kcoral.broker import slots
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable
 from kcoral.broker.provenance import Provenance
-from kcoral.broker.requests import Request, Worker
+from kcoral.broker.requests import Request, RequestState, Worker
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.workers import WorkerPool, result_grace_seconds
@@ -129,7 +129,7 @@ class WorkerMessages:
         if isinstance(index, int):
             request.instruction_index = index
         elif stream in ("stdout", "stderr") and isinstance(offset, int) and isinstance(text, str):
-            if request.state == "running" and len(text) <= protocol.OUTPUT_PIECE_BYTES:
+            if request.state == RequestState.RUNNING and len(text) <= protocol.OUTPUT_PIECE_BYTES:
                 piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
                 self.port.tell(request, piece)
 
@@ -155,7 +155,7 @@ class WorkerMessages:
             grant = await self.leases.acquire(request.id, request.gpu_ids)
         except (LeaseReclaimed, asyncio.CancelledError):
             return
-        if self.requests.get(request.id) is not request or request.state != "running" or worker.exited:
+        if self.requests.get(request.id) is not request or request.state != RequestState.RUNNING or worker.exited:
             self.leases.release(request.id)
             return
         # Held until the zygote reports this worker's exit (see on_exit), whatever the

@@ -241,8 +241,6 @@ def run_worker(settings: WorkerSettings) -> int:
                 command, body, data = protocol.split_message([f.buffer for f in raw])
             except protocol.WireError:
                 continue
-            if command == protocol.DISCONNECT:
-                return 0
             if command != protocol.PROGRAM:
                 continue
             # Dumpable from now on, so that the zygote's watchdog can read this process's memory
