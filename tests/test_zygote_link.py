@@ -14,9 +14,9 @@ from kcoral.protocol.zygote_link import (
     ZygoteCommand,
     ZygoteEvent,
     ZygoteSettings,
-    command_line,
-    event_line,
-    exit_fields,
+    worker_exit_fields,
+    zygote_command_line,
+    zygote_event_line,
 )
 
 
@@ -48,9 +48,12 @@ def test_a_bad_command_line_is_a_usage_error() -> None:
 
 
 def test_commands_and_events_are_json_lines() -> None:
-    assert json.loads(command_line(ZygoteCommand.RETIRE_WORKER, "w0-1")) == {"cmd": "retire_worker", "worker": "w0-1"}
-    assert json.loads(command_line(ZygoteCommand.STOP)) == {"cmd": "stop"}
-    assert json.loads(event_line(ZygoteEvent.FORKED, worker="w0-1", pid=7)) == {
+    assert json.loads(zygote_command_line(ZygoteCommand.RETIRE_WORKER, "w0-1")) == {
+        "cmd": "retire_worker",
+        "worker": "w0-1",
+    }
+    assert json.loads(zygote_command_line(ZygoteCommand.STOP)) == {"cmd": "stop"}
+    assert json.loads(zygote_event_line(ZygoteEvent.FORKED, worker="w0-1", pid=7)) == {
         "event": "forked",
         "worker": "w0-1",
         "pid": 7,
@@ -58,11 +61,15 @@ def test_commands_and_events_are_json_lines() -> None:
 
 
 def test_an_exit_event_reads_back_as_the_exit_it_reports() -> None:
-    killed = exit_fields("w0-2", 9, -signal.SIGKILL, leftovers_killed=2, reason="over its limit", instruction_index=4)
-    exit = WorkerExit.from_event(0, json.loads(event_line(ZygoteEvent.EXITED, **killed)))
+    killed = worker_exit_fields(
+        "w0-2", 9, -signal.SIGKILL, leftovers_killed=2, reason="over its limit", instruction_index=4
+    )
+    exit = WorkerExit.from_event(0, json.loads(zygote_event_line(ZygoteEvent.EXITED, **killed)))
     assert exit == WorkerExit(0, "w0-2", None, signal.SIGKILL, 2, reason="over its limit", instruction_index=4)
     assert exit.describe() == "killed by signal 9 (SIGKILL); over its limit"
-    clean = WorkerExit.from_event(1, exit_fields("w1-1", 5, 0, leftovers_killed=0, reason="", instruction_index=None))
+    clean = WorkerExit.from_event(
+        1, worker_exit_fields("w1-1", 5, 0, leftovers_killed=0, reason="", instruction_index=None)
+    )
     assert (clean.returncode, clean.signal, clean.describe()) == (0, None, "exit code 0")
     forged = WorkerExit.from_event(1, {"worker": "w", "instruction_index": True, "leftovers_killed": None})
     assert forged.instruction_index is None and forged.leftovers_killed == 0

@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from kcoral.protocol.zygote_link import WorkerExit, ZygoteCommand, ZygoteEvent, command_line, optional_int
+from kcoral.protocol.zygote_link import WorkerExit, ZygoteCommand, ZygoteEvent, event_int, zygote_command_line
 from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
 
@@ -192,7 +192,7 @@ class Supervisor:
         if state is None or state.process is None or state.process.stdin is None:
             return
         with contextlib.suppress(ConnectionError, RuntimeError):
-            state.process.stdin.write(command_line(command, worker))
+            state.process.stdin.write(zygote_command_line(command, worker))
 
     async def _keep_running(self, slot: int) -> None:
         state = self.states[slot]
@@ -276,7 +276,7 @@ class Supervisor:
             return
         if kind is ZygoteEvent.READY:
             state.state = SlotPhase.RUNNING
-            inside = optional_int(event.get("pid"))
+            inside = event_int(event.get("pid"))
             if state.process is not None and inside is not None:
                 # Found now, while no program runs in the sandbox to pose as it.
                 state.zygote_host_pid = processes.find_in_sandbox(state.process.pid, inside)

@@ -7,6 +7,8 @@
 - ``results``: RESULT bodies and error maps, the one definition every producer builds through.
 - ``worker_link``: commands between the broker and its workers.
 - ``node_link``: commands between a host broker and its router.
+- ``zygote_link``: the zygote's settings, the commands and events between the broker's supervisor
+  and a slot's zygote, a worker's exit.
 
 ``docs/protocol.md`` describes the same protocol for tools written without this package.
 """
@@ -139,6 +141,18 @@ from kcoral.protocol.worker_link import (
     WORKER_COMMAND_NAMES,
     WORKER_COMMANDS,
 )
+from kcoral.protocol.zygote_link import (
+    ZYGOTE_DEFAULT_PRELOAD,
+    ZYGOTE_MODULE,
+    WorkerExit,
+    ZygoteCommand,
+    ZygoteEvent,
+    ZygoteSettings,
+    event_int,
+    worker_exit_fields,
+    zygote_command_line,
+    zygote_event_line,
+)
 
 COMMAND_NAMES: Final = {**CLIENT_COMMAND_NAMES, **WORKER_COMMAND_NAMES, **NODE_COMMAND_NAMES}
 
@@ -210,6 +224,8 @@ __all__ = [
     "WORKER_COMMANDS",
     "WORKER_COMMAND_NAMES",
     "WORKER_KEY",
+    "ZYGOTE_DEFAULT_PRELOAD",
+    "ZYGOTE_MODULE",
     "BlobPiece",
     "BytesFrame",
     "ExecuteOptions",
@@ -220,6 +236,10 @@ __all__ = [
     "TensorSpec",
     "WireError",
     "WireSink",
+    "WorkerExit",
+    "ZygoteCommand",
+    "ZygoteEvent",
+    "ZygoteSettings",
     "blob_piece",
     "check_digest",
     "check_header",
@@ -232,6 +252,7 @@ __all__ = [
     "encode_value",
     "error_body",
     "error_map",
+    "event_int",
     "final_body",
     "final_error",
     "final_error_body",
@@ -254,4 +275,7 @@ __all__ = [
     "unpack",
     "unpack_map",
     "with_broker_fields",
+    "worker_exit_fields",
+    "zygote_command_line",
+    "zygote_event_line",
 ]

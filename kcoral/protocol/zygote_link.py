@@ -11,7 +11,7 @@ Example::
 
     argv = ZygoteSettings(connect="ipc:///run/w.sock", slot=0, workspace=Path("/workspace")).to_argv()
     assert ZygoteSettings.from_argv(argv) == ZygoteSettings(...)
-    line = command_line(ZygoteCommand.RETIRE_WORKER, worker="w0-1-ab12")
+    line = zygote_command_line(ZygoteCommand.RETIRE_WORKER, worker="w0-1-ab12")
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Final
 
 # The zygote's entry point, run as ``python -m ZYGOTE_MODULE ARGV...``.
 ZYGOTE_MODULE: Final = "kcoral.worker.zygote"
-DEFAULT_PRELOAD: Final = ("numpy", "torch")
+ZYGOTE_DEFAULT_PRELOAD: Final = ("numpy", "torch")
 
 
 class ZygoteCommand(StrEnum):
@@ -53,12 +53,12 @@ class ZygoteEvent(StrEnum):
     ALIVE = "alive"  # once a second: the zygote still watches its slot
 
 
-def command_line(command: ZygoteCommand, worker: str | None = None) -> bytes:
+def zygote_command_line(command: ZygoteCommand, worker: str | None = None) -> bytes:
     """One command as the zygote reads it."""
     return (json.dumps({"cmd": command.value, **({"worker": worker} if worker is not None else {})}) + "\n").encode()
 
 
-def event_line(event: ZygoteEvent, **fields: Any) -> bytes:
+def zygote_event_line(event: ZygoteEvent, **fields: Any) -> bytes:
     """One event as the supervisor reads it."""
     return (json.dumps({"event": event.value, **fields}) + "\n").encode()
 
@@ -72,7 +72,7 @@ class ZygoteSettings:
     workspace: Path  # as the zygote sees it (``/workspace`` in a sandbox)
     gpu: int | None = None
     max_programs: int = 1
-    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    preload: tuple[str, ...] = ZYGOTE_DEFAULT_PRELOAD
     limits: dict[str, int] = field(default_factory=dict)  # per worker, by kcoral.worker.limits' names
     gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
     sandboxed: bool = False  # in a sandbox of the slot's own (its IPC and user namespaces)
@@ -109,7 +109,7 @@ class ZygoteSettings:
         parser.add_argument("--gpu", type=int, default=None)
         parser.add_argument("--workspace", type=Path, required=True)
         parser.add_argument("--max-programs", type=int, default=1)
-        parser.add_argument("--preload", default=",".join(DEFAULT_PRELOAD))
+        parser.add_argument("--preload", default=",".join(ZYGOTE_DEFAULT_PRELOAD))
         parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
         parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
         parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own")
@@ -152,7 +152,7 @@ class WorkerExit:
             event.get("signal"),
             int(event.get("leftovers_killed") or 0),
             reason=str(event.get("reason") or ""),
-            instruction_index=optional_int(event.get("instruction_index")),
+            instruction_index=event_int(event.get("instruction_index")),
         )
 
     def describe(self) -> str:
@@ -165,7 +165,7 @@ class WorkerExit:
         return f"{how}; {self.reason}" if self.reason else how
 
 
-def exit_fields(
+def worker_exit_fields(
     worker: str,
     pid: int,
     returncode: int | None,
@@ -186,7 +186,7 @@ def exit_fields(
     }
 
 
-def optional_int(value: Any) -> int | None:
+def event_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -198,14 +198,14 @@ def _signal_name(number: int) -> str:
 
 
 __all__ = [
-    "DEFAULT_PRELOAD",
+    "ZYGOTE_DEFAULT_PRELOAD",
     "ZYGOTE_MODULE",
     "WorkerExit",
     "ZygoteCommand",
     "ZygoteEvent",
     "ZygoteSettings",
-    "command_line",
-    "event_line",
-    "exit_fields",
-    "optional_int",
+    "event_int",
+    "worker_exit_fields",
+    "zygote_command_line",
+    "zygote_event_line",
 ]

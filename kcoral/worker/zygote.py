@@ -45,7 +45,13 @@ import sys
 import time
 from typing import Any
 
-from kcoral.protocol.zygote_link import ZygoteCommand, ZygoteEvent, ZygoteSettings, event_line, exit_fields
+from kcoral.protocol.zygote_link import (
+    ZygoteCommand,
+    ZygoteEvent,
+    ZygoteSettings,
+    worker_exit_fields,
+    zygote_event_line,
+)
 from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, limits, processes, workspace
 from kcoral.worker.children import (
@@ -84,7 +90,7 @@ TIMER_MODULES = ("cupti.cupti", "pynvml")
 
 
 def emit(event: ZygoteEvent, **fields: Any) -> None:
-    os.write(1, event_line(event, **fields))
+    os.write(1, zygote_event_line(event, **fields))
 
 
 class Zygote:
@@ -321,7 +327,7 @@ class Zygote:
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
             ZygoteEvent.EXITED,
-            **exit_fields(
+            **worker_exit_fields(
                 child.identity,
                 child.pid,
                 returncode,
