@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from kcoral.errors import ExecutionError
-from kcoral.workloads import harness
 from kcoral.workloads.channel import (
     ChannelError,
     MessageReader,
@@ -193,81 +192,14 @@ def test_a_silent_stream_runs_out_of_time() -> None:
         os.close(write_end)
 
 
-# ----------------------------------------------------------------------------- harness
+# ----------------------------------------------------------------------------- the command line
 
-STUB_RUNNER = """
-import json, os, subprocess, sys
-import torch
-from kcoral.workloads.channel import tensor_to_wire, write_message
-
-config = json.loads(sys.argv[-1])
-mode = sys.argv[1]
-stream = os.fdopen(config["fd"], "wb")
-sys.path.insert(0, config["folder"])
-import workload
-
-def send(header, value):
-    meta, data = tensor_to_wire(torch, value)
-    write_message(stream, {**header, **meta}, data)
-
-write_message(stream, {"type": "ready", "cupti_error": None})
-for role in ("baseline", "candidate"):
-    factor = 3 if (mode == "wrong" and role == "candidate") else 2
-    (x,) = workload.make_inputs(config["seed"])
-    send({"type": "output", "role": role, "seed": config["seed"]}, x * factor)
-    if mode == "forged" and role == "candidate":
-        write_message(stream, {"type": "timing", "role": role, "report": {"latency_ms_median": 0.0001}})
-    write_message(stream, {"type": "timing", "role": role, "report": {
-        "latency_ms_median": 2.0 if role == "baseline" else 1.0, "integrity": {"verdict": "ok", "reasons": []}}})
-    for index in (3, 9):
-        seed = config["bases"][role] + index
-        (x,) = workload.make_inputs(seed)
-        send({"type": "kept", "role": role, "call": index, "seed": seed}, x * factor)
-if mode == "leftover":
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-write_message(stream, {"type": "done"})
-"""
+# (The harness and the candidate's process: tests/test_remote_harness.py.)
 
 
 @pytest.fixture(autouse=True)
 def _children_import_this_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-
-
-def run_stub(tmp_path: Path, mode: str) -> tuple[harness.RunnerOutcome, Any]:
-    folder = write_workload(tmp_path / "double")
-    stub = tmp_path / "stub_runner.py"
-    stub.write_text(STUB_RUNNER)
-    seed, bases = harness._seeds()
-    outcome = harness.run_candidate(
-        folder, tmp_path / "cand.py", seed, bases, 60.0, command=[sys.executable, str(stub), mode]
-    )
-    workload = load_workload(folder, f"kcoral_test_workload_{mode}")
-    return outcome, (workload, seed)
-
-
-def test_the_harness_checks_every_output_it_receives(tmp_path: Path) -> None:
-    outcome, (workload, seed) = run_stub(tmp_path, "right")
-    assert outcome.done and outcome.failure is None and outcome.returncode == 0 and not outcome.leftovers
-    section = harness._judge_role(workload, torch, outcome.roles["candidate"], seed)
-    assert section == {"correctness_call": "pass", "timed_outputs_checked": 2, "failures": []}
-
-
-def test_a_wrong_output_fails_in_the_harness(tmp_path: Path) -> None:
-    outcome, (workload, seed) = run_stub(tmp_path, "wrong")
-    section = harness._judge_role(workload, torch, outcome.roles["candidate"], seed)
-    assert section["correctness_call"] != "pass"
-    assert len(section["failures"]) == 3  # the correctness call and both timed calls
-
-
-def test_a_second_timing_report_means_someone_else_writes_to_the_pipe(tmp_path: Path) -> None:
-    outcome, _ = run_stub(tmp_path, "forged")
-    assert outcome.failure is not None and "unexpected message" in outcome.failure
-
-
-def test_processes_the_candidate_left_running_are_found_and_killed(tmp_path: Path) -> None:
-    outcome, _ = run_stub(tmp_path, "leftover")
-    assert outcome.done and outcome.leftovers
 
 
 def test_a_trusted_workload_takes_one_candidate(tmp_path: Path) -> None:

@@ -293,6 +293,10 @@ def _measure(
                 expected=again if check is None else None,
                 assert_close=torch.testing.assert_close,
             )
+        # The checks above called the user's function again: whatever it changed then is seen now,
+        # before anything of the report is made (from here on no user code runs).
+        with spent.step("trusted_state"):
+            fail_on_changes(state, "while the outputs were checked")
     details = watch.details if watch is not None else {}
     return _Counted(measurement, before, after, reasons, outputs_checked, details)
 
@@ -348,7 +352,7 @@ def _report(
             "conditions_before": conditions_before,
             "conditions_after": gpu_conditions(nvml),
             "cool_wait": cool.describe(),
-            "gpu": str(torch.cuda.get_device_name(device)),
+            "gpu": _device_name(device),
             "device_index": int(device) if isinstance(device, int) else None,
             "inputs": {**plan.describe(), "first_timed_index": measurement.first_input_index},
             "outputs_checked": counted.outputs_checked,
@@ -357,6 +361,13 @@ def _report(
         }
     )
     return result
+
+
+def _device_name(device: Any) -> str | None:
+    """The GPU's name through the reference taken at arm: the report is made after the last check,
+    so nothing it calls is looked up then."""
+    name = armed().trusted.device_name
+    return str(name(device)) if name is not None else None
 
 
 def _host_summary(measurement: Measurement) -> dict[str, float | None]:

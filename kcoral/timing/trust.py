@@ -31,6 +31,7 @@ import builtins
 import contextlib
 import gc
 import importlib
+import pkgutil
 import secrets
 import statistics
 import sys
@@ -43,29 +44,28 @@ from typing import Any, Final
 
 from kcoral.timing.cupti import CuptiTracer, CuptiUnavailable
 
-# The modules whose names and code the snapshot covers (imported by arm, so all of them exist).
-WATCHED_MODULES: Final = (
-    "kcoral.errors",
-    "kcoral.timing.cupti",
-    "kcoral.timing.windows",
-    "kcoral.timing.stats",
-    "kcoral.timing.nvml",
-    "kcoral.timing.trust",
-    "kcoral.timing.findings",
-    "kcoral.timing.inputs",
-    "kcoral.timing.calls",
-    "kcoral.timing.timers",
-    "kcoral.timing.calibrate",
-    "kcoral.timing.benchmark",
-    "kcoral.timing.conditions",
-    "kcoral.timing.ab_stats",
-    "kcoral.timing.ab_config",
-    "kcoral.timing.compare",
-    "kcoral.builtins",
-)
+# The modules whose names and code the snapshot covers (imported by arm, so all of them exist):
+# every module of the kcoral.timing package, found in the package itself (timing_modules), so that
+# a module added to the package is watched without being listed, and those around it.
+WATCHED_AROUND: Final = ("kcoral.errors", "kcoral.timing", "kcoral.builtins")
+
+
+def timing_modules() -> tuple[str, ...]:
+    """Every module of the kcoral.timing package, by name, sorted."""
+    import kcoral.timing as package
+
+    return tuple(sorted(f"{package.__name__}.{info.name}" for info in pkgutil.iter_modules(package.__path__)))
+
+
+WATCHED_MODULES: Final = (*WATCHED_AROUND, *timing_modules())
 # Watched too where already imported at arm: the candidate's process of ``kcoral remote`` runs
 # kcoral.workloads.runner as __main__, and a patched runner could rewrite the report it sends.
-WATCHED_IF_LOADED: Final = ("kcoral.workloads.channel", "kcoral.workloads.format", "kcoral.workloads.runner")
+WATCHED_IF_LOADED: Final = (
+    "kcoral.workloads.channel",
+    "kcoral.workloads.format",
+    "kcoral.workloads.ipc",
+    "kcoral.workloads.runner",
+)
 # Names in those modules that legitimately change after arm (the armed state itself).
 VOLATILE_NAMES: Final = frozenset({"_ARMED", "_ARM_LOCK"})
 # Functions of other libraries the timer calls, as (module, dotted attribute).
@@ -76,6 +76,8 @@ WATCHED_FOREIGN: Final = (
     ("torch", "cuda.Event.record"),
     ("torch", "cuda.Event.elapsed_time"),
     ("torch", "cuda.current_device"),
+    ("torch", "cuda.get_device_name"),
+    ("torch", "cuda.get_device_properties"),
     ("torch", "Tensor.sum"),
     ("torch", "Tensor.clone"),
     ("torch", "Tensor.copy_"),
@@ -249,6 +251,8 @@ class Trusted:
     # A context in which torch calls skip every torch-function mode and subclass override: the
     # timer's own torch calls (flush, snapshots, sentinel) run no candidate code through a mode.
     plain_torch: Callable[[], Any]
+    # What the report is made with after the last check: nothing looked up then.
+    device_name: Callable[[Any], str] | None = None
 
 
 @dataclass
@@ -307,6 +311,7 @@ def _capture_trusted() -> Trusted:
         gc_isenabled=gc.isenabled,
         enumerate_threads=threading.enumerate,
         plain_torch=getattr(getattr(torch, "_C", None), "DisableTorchFunction", None) or contextlib.nullcontext,
+        device_name=getattr(cuda, "get_device_name", None),
     )
 
 

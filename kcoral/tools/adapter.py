@@ -40,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kcoral import protocol
 from kcoral.client.program import Program
@@ -318,9 +318,13 @@ def build_program(options: AdapterOptions, function: str, args: list[Any]) -> Pr
     return program
 
 
-def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[int, dict[str, Any] | None]:
+def execute(
+    options: AdapterOptions, function: str, args: list[Any], *, report_only_on_stdout: bool = False
+) -> tuple[int, dict[str, Any] | None]:
     """Run the adapter program and show its output. Returns (exit status, outcome); the outcome is
-    None when there is none (the status then says why)."""
+    None when there is none (the status then says why). ``report_only_on_stdout``: the program's
+    stdout is written to the local stderr with its stderr, after it ended, so that the local stdout
+    carries only what the adapter prints itself (``kcoral remote``'s report)."""
     from kcoral.client.blocking import Client
 
     if not options.url:
@@ -333,7 +337,10 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
         # The remote output is shown as it comes; a status line on a terminal says what the program
         # waits for (upload, queue, GPU).
         with Client(
-            options.url, connect_timeout_seconds=options.connect_timeout_seconds, show_output=True, keys=options.keys
+            options.url,
+            connect_timeout_seconds=options.connect_timeout_seconds,
+            show_output=not report_only_on_stdout,
+            keys=options.keys,
         ) as client:
             try:
                 result = client.execute(
@@ -350,7 +357,7 @@ def execute(options: AdapterOptions, function: str, args: list[Any]) -> tuple[in
         # Leaving the `with` block closed the client, which sent CANCEL for the program in flight.
         _say(options.tool, "interrupted; the program was cancelled on the service")
         return EXIT_INTERRUPTED, None
-    show_output(options.tool, result, shown)
+    show_output(options.tool, result, shown, stdout=sys.stderr if report_only_on_stdout else None)
     if not result.completed:
         _show_error(options.tool, result)
         return EXIT_PROGRAM_FAILED, None
@@ -369,11 +376,15 @@ def run_steps(options: AdapterOptions, steps: list[dict[str, Any]]) -> int:
     return status
 
 
-def show_output(tool: str, result: ProgramResult, shown: dict[str, int] | None = None) -> None:
-    """Write the program's output, less what was written live (``shown``: characters per stream)."""
+def show_output(
+    tool: str, result: ProgramResult, shown: dict[str, int] | None = None, *, stdout: TextIO | None = None
+) -> None:
+    """Write the program's output, less what was written live (``shown``: characters per stream);
+    its stdout to ``stdout`` (default: the local stdout)."""
     shown = shown or {}
-    sys.stdout.write(_rest(result.stdout, shown.get("stdout", 0)))
-    sys.stdout.flush()
+    out = stdout if stdout is not None else sys.stdout
+    out.write(_rest(result.stdout, shown.get("stdout", 0)))
+    out.flush()
     sys.stderr.write(_rest(result.stderr, shown.get("stderr", 0)))
     for stream, cut in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated)):
         if cut:

@@ -6,8 +6,10 @@ optionally ``check``, ``baseline``, ``TIMING`` and ``TOLERANCE`` (see ``kcoral.w
 seed every run, computes the reference, runs the candidate in a process of its own (timed by
 ``benchmark`` with fresh inputs per call) and checks every output it receives in a process into
 which the candidate's code is never loaded. The report gives ``correct``, ``check``, ``timing``,
-``baseline``, ``speedup`` and ``integrity`` (verdict and reasons). Without a candidate the
-baseline is evaluated. A tampered measurement fails the program with ``integrity`` (exit 70).
+``baseline``, ``speedup`` and ``integrity`` (verdict and reasons); the times are the harness's
+own (``kcoral.workloads.harness``). Without a candidate the baseline is evaluated. A tampered
+measurement fails the program with ``integrity`` (exit 70). The report is the only thing on
+stdout: the program's own output, the candidate's included, goes to stderr.
 
 The free-form way: a folder whose ``workload.py`` defines::
 
@@ -77,7 +79,11 @@ def main(args: argparse.Namespace) -> int:
             options.sends = [send for send in options.sends if send.dest != sent.dest] + [sent]
             candidate = sent.dest
         deadline = tool_deadline(options.timeout_seconds)
-        status, outcome = execute(options, "evaluate_trusted", [workload.dest, candidate, deadline])
+        # The report is the harness's alone: the program's stdout (which the candidate never shares,
+        # but a workload might print to) goes to stderr, and stdout carries the report only.
+        status, outcome = execute(
+            options, "evaluate_trusted", [workload.dest, candidate, deadline], report_only_on_stdout=True
+        )
     else:
         status, outcome = execute(options, "evaluate_workload", [workload.dest, evaluate_args])
     if outcome is None:

@@ -1,6 +1,7 @@
-"""The message stream from the candidate's process to the harness: data only, never pickled.
+"""The messages between the harness and the candidate's process: data only, never pickled.
 
-Each message is a 4-byte little-endian header length, a JSON header (a map, at most
+They travel both ways over one socket (the candidate's process's standard input). Each message
+is a 4-byte little-endian header length, a JSON header (a map, at most
 ``MAX_HEADER_BYTES``), then ``payload_bytes`` raw bytes. A tensor travels as its dtype and shape
 in the header and its contiguous bytes as the payload; the harness rebuilds it with
 ``torch.frombuffer``, so what it checks is always a plain tensor made from bytes, whatever object
@@ -39,6 +40,14 @@ def write_message(stream: BinaryIO, header: dict[str, Any], payload: bytes | mem
     if len(payload):
         stream.write(payload)
     stream.flush()
+
+
+def send_message(fd: int, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    """Write one message to ``fd`` (a socket or pipe), whole."""
+    head = json.dumps({**header, "payload_bytes": len(payload)}).encode()
+    view = memoryview(LENGTH.pack(len(head)) + head + bytes(payload))
+    while len(view):
+        view = view[os.write(fd, view) :]
 
 
 def tensor_to_wire(torch: Any, tensor: Any) -> tuple[dict[str, Any], bytes]:
@@ -104,6 +113,10 @@ class MessageReader:
                 return False
             self._buffer += chunk
         return True
+
+    def ready(self, seconds: float) -> bool:
+        """Whether a message (or the start of one) is there to read within ``seconds``."""
+        return bool(self._buffer) or bool(self._selector.select(max(0.0, seconds)))
 
     def _take(self, size: int) -> bytes:
         data = bytes(self._buffer[:size])

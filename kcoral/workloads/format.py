@@ -119,7 +119,6 @@ def _tolerance(module: Any) -> dict[str, float]:
     return values
 
 
-
 def _exec_module(spec: Any, search_dir: Path, what: str) -> Any:
     """Import ``spec``'s module with ``search_dir`` first on ``sys.path``; a failure is ``compile``."""
     module = importlib.util.module_from_spec(spec)
@@ -132,6 +131,7 @@ def _exec_module(spec: Any, search_dir: Path, what: str) -> Any:
     except Exception as exc:
         raise ExecutionError("compile", f"importing {what} raised {type(exc).__name__}: {exc}") from exc
     return module
+
 
 def load_workload(folder: str | Path, module_name: str = "kcoral_workload") -> Workload:
     """Import ``folder/workload.py`` (with the folder first on ``sys.path``) and validate it."""

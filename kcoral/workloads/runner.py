@@ -1,84 +1,176 @@
-"""The candidate's process: ``python -m kcoral.workloads.runner CONFIG_JSON``, started by the harness.
+"""The candidate's process: ``python -m kcoral.workloads.runner``, started by the harness.
 
-Order matters. The timer is armed first (CUPTI checked, references and code captured) and the
-workload imported; the baseline is then run on the correctness seed and timed; only after its
-numbers are sent is the candidate imported, so nothing it does can reach the baseline's
-measurement. The candidate is run the same way. Every output goes to the harness as bytes over the
-result pipe (``kcoral.workloads.channel``): the correctness call's output, the timing report, and
-the outputs of a random sample of timed calls with the index of the inputs they were made for.
-Nothing is checked here: the check runs in the harness, which the candidate's code never reaches.
+It takes no arguments and reads nothing from its environment or files: everything comes over its
+standard input, a socket to the harness, when the harness offers it. Its standard output and error
+are the harness's standard error (never the stream the report is printed on).
 
-CONFIG_JSON: ``folder``, ``candidate`` (a path, or null for the baseline alone), ``seed`` (the
-correctness call's inputs), ``bases`` (``{"baseline": N, "candidate": M}``: timed call ``i`` of a
-role gets ``make_inputs(base + i)``), ``fd`` (the result pipe's write end), ``keep`` (outputs kept).
+What it is told, in order (``kcoral.workloads.harness`` drives it; every message is answered):
+
+- ``start``: the workload folder and the candidate file, the shared buffers (one per input, one for
+  the output, the gate's word, the completion word) as IPC handles. It opens them, loads the
+  workload and answers ``ready`` (with whether the gate works here).
+- ``role``: ``null`` (a call that launches nothing), ``baseline``, or ``candidate``; the candidate
+  file is imported only now, after the null and baseline roles are done. Answer: ``loaded``.
+- ``call``: one bracketed call. Queue a wait on the gate (the call's sequence number), the call on
+  the shared inputs, the copy of its output into the shared output buffer and the call's sequence
+  number written into the completion word; answer ``queued`` at once (the harness then opens the gate and times it).
+- ``measure``: time the role with ``benchmark``'s CUPTI timer (``kcoral.timing``); each of its calls
+  asks for fresh inputs (``need``, answered ``inputs`` once the harness has put them in the shared
+  buffers). Answer: ``timing`` with the report.
+- ``finish``: answer ``done`` and exit.
+
+A failure is answered ``error`` (``kind``, ``message``). Nothing is checked here, and nothing this
+process says is taken on its word: the harness times each call itself, takes each output from the
+shared buffer when the call completes, and checks them in its own process.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, Final
 
 from kcoral.errors import ExecutionError
 from kcoral.timing import trust
-from kcoral.workloads.channel import tensor_to_wire, write_message
-from kcoral.workloads.format import Workload, load_candidate, load_workload
+from kcoral.workloads.channel import ChannelError, MessageReader, send_message
+from kcoral.workloads.format import load_candidate, load_workload
+from kcoral.workloads.ipc import BufferMeta, IpcError, OpenedBuffer, StreamWait
 
-ROLES = ("baseline", "candidate")
-
-
-def _send_tensor(stream: BinaryIO, torch: Any, header: dict[str, Any], value: Any) -> None:
-    """Send one output; ExecutionError("correctness") when it is not a plain tensor."""
-    try:
-        meta, data = tensor_to_wire(torch, value)
-    except TypeError as exc:
-        raise ExecutionError("correctness", str(exc)) from exc
-    write_message(stream, {**header, **meta}, data)
+CHANNEL_FD: Final = 0
+ROLES: Final = ("null", "baseline", "candidate")
+WAIT_SECONDS: Final = 3600.0
 
 
-def _run_role(stream: BinaryIO, torch: Any, workload: Workload, role: str, fn: Any, config: dict[str, Any]) -> bool:
-    """Correctness call, then the timing; False when the role failed (the error is sent)."""
-    from kcoral.timing.benchmark import measure
+class Runner:
+    """The candidate's process's side of the conversation (its state lives here, not in globals)."""
 
-    seed = int(config["seed"])
-    base = int(config["bases"][role])
-    try:
-        output = fn(*workload.inputs(seed))
-        torch.cuda.synchronize()
-        _send_tensor(stream, torch, {"type": "output", "role": role, "seed": seed}, output)
-        del output
-        run = measure(
-            fn,
-            config=workload.timing,
-            inputs=lambda index: workload.inputs(base + index),
-            keep_outputs=int(config["keep"]),
+    def __init__(self, torch: Any, fd: int) -> None:
+        self.torch = torch
+        self.fd = fd
+        self.reader = MessageReader(fd, lambda: WAIT_SECONDS)
+        self.inputs: tuple[Any, ...] = ()
+        self.output: Any = None
+        self.done: Any = None
+        self.gate: StreamWait | None = None
+        self.workload: Any = None
+        self.role = ""
+        self.fn: Callable[..., Any] | None = None
+        self.candidate: str | None = None
+        self.device = 0
+
+    def send(self, header: dict[str, Any]) -> None:
+        send_message(self.fd, header)
+
+    def receive(self) -> dict[str, Any]:
+        message = self.reader.read()
+        if message is None:
+            raise ChannelError("the harness closed the channel")
+        return message[0]
+
+    def start(self, message: dict[str, Any]) -> None:
+        torch = self.torch
+        self.device = int(message.get("device") or 0)
+        torch.cuda.set_device(self.device)
+        torch.zeros(1, device="cuda")  # the CUDA context, before the driver is asked to open handles
+        self.workload = load_workload(str(message["folder"]))
+        self.candidate = message.get("candidate")
+        self.inputs = tuple(
+            OpenedBuffer(torch, str(item["handle"]), BufferMeta.parse(item["meta"]), self.device).tensor
+            for item in message["inputs"]
         )
-    except ExecutionError as exc:
-        write_message(stream, {"type": "error", "role": role, "kind": exc.kind, "message": exc.message})
-        return False
-    except BaseException as exc:
-        write_message(
-            stream,
-            {
-                "type": "error",
-                "role": role,
-                "kind": "runtime",
-                "message": f"{type(exc).__name__}: {exc}"[:2000],
-                "traceback": traceback.format_exc()[-4000:],
-            },
-        )
-        return False
-    write_message(stream, {"type": "timing", "role": role, "report": _plain(run.report)})
-    for kept in run.kept:  # snapshots: plain tensors already
-        _send_tensor(
-            stream,
-            torch,
-            {"type": "kept", "role": role, "call": kept.call, "seed": base + kept.input_index},
-            kept.output,
-        )
-    return True
+        output = message["output"]
+        self.output = OpenedBuffer(torch, str(output["handle"]), BufferMeta.parse(output["meta"]), self.device).tensor
+        flag = OpenedBuffer(torch, str(message["flag"]), BufferMeta("int32", (1,)), self.device)
+        self.gate = StreamWait(torch, flag.pointer)
+        self.done = OpenedBuffer(torch, str(message["done"]), BufferMeta("int32", (1,)), self.device).tensor
+
+    def set_role(self, role: str) -> None:
+        torch = self.torch
+        if role == "null":
+            made = torch.empty_like(self.output)
+            self.fn = lambda *inputs: made
+        elif role == "baseline":
+            self.fn = self.workload.baseline
+        elif role == "candidate" and self.candidate:
+            self.fn = load_candidate(self.candidate, self.workload.entry)
+        else:
+            raise ExecutionError("parse", f"no such role: {role!r}")
+        self.role = role
+
+    def call(self, seq: int, gated: bool) -> None:
+        """Queue one bracketed call behind the gate; its output goes to the shared buffer."""
+        torch = self.torch
+        assert self.fn is not None and self.gate is not None
+        if gated:
+            self.gate.wait(seq)
+        value = self.fn(*self.inputs)
+        if type(value) is not torch.Tensor:
+            raise ExecutionError("correctness", f"the output is a {type(value).__name__}, not a plain tensor")
+        with torch._C.DisableTorchFunction():
+            if value.shape != self.output.shape or value.dtype != self.output.dtype or not value.is_cuda:
+                raise ExecutionError(
+                    "correctness",
+                    f"the output is a {value.dtype} tensor of shape {list(value.shape)} on {value.device}; "
+                    f"expected {self.output.dtype} of shape {list(self.output.shape)} on the GPU",
+                )
+            torch.Tensor.copy_(self.output, value)
+            torch.Tensor.fill_(self.done, seq)
+
+    def measure(self, config: dict[str, Any]) -> dict[str, Any]:
+        from kcoral.timing.benchmark import measure
+
+        assert self.fn is not None
+
+        def fresh(index: int) -> tuple[Any, ...]:
+            self.send({"type": "need", "index": index})
+            reply = self.receive()
+            if reply.get("type") != "inputs" or reply.get("index") != index:
+                raise ChannelError(f"expected inputs for call {index}, got {reply.get('type')!r}")
+            return self.inputs
+
+        run = measure(self.fn, config=config, inputs=fresh, keep_outputs=0)
+        return _plain(run.report)
+
+    def serve(self) -> None:
+        while True:
+            message = self.receive()
+            kind = message.get("type")
+            try:
+                if kind == "start":
+                    self.start(message)
+                    assert self.gate is not None
+                    self.send({"type": "ready", "gate": self.gate.available, "gate_error": self.gate.why_not})
+                elif kind == "role":
+                    self.set_role(str(message.get("role")))
+                    self.send({"type": "loaded", "role": self.role})
+                elif kind == "call":
+                    self.call(int(message["seq"]), bool(message.get("gated")))
+                    self.send({"type": "queued", "call": message.get("call")})
+                elif kind == "measure":
+                    report = self.measure(dict(message.get("config") or {}))
+                    self.send({"type": "timing", "role": self.role, "report": report})
+                elif kind == "finish":
+                    self.send({"type": "done"})
+                    return
+                else:
+                    raise ExecutionError("parse", f"unknown message {kind!r}")
+            except (ChannelError, OSError):
+                raise
+            except ExecutionError as exc:
+                self.send({"type": "error", "role": self.role, "kind": exc.kind, "message": exc.message})
+            except IpcError as exc:
+                self.send({"type": "error", "role": self.role, "kind": "unavailable", "message": str(exc)})
+            except BaseException as exc:
+                self.send(
+                    {
+                        "type": "error",
+                        "role": self.role,
+                        "kind": "runtime",
+                        "message": f"{type(exc).__name__}: {exc}"[:2000],
+                        "traceback": traceback.format_exc()[-4000:],
+                    }
+                )
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
@@ -93,31 +185,18 @@ def _plain(value: Any, depth: int = 0) -> Any:
     return str(value)
 
 
-def main(argv: list[str]) -> int:
-    config = json.loads(argv[1])
-    stream = os.fdopen(int(config["fd"]), "wb")
+def main() -> int:
     import torch
 
-    state = trust.arm(in_worker=True)  # before the workload or the candidate is imported
-
-    write_message(stream, {"type": "ready", "cupti_error": state.cupti_error, "pid": os.getpid()})
+    trust.arm(in_worker=True)  # before the workload or the candidate is imported
+    runner = Runner(torch, CHANNEL_FD)
     try:
-        workload = load_workload(config["folder"])
-        torch.zeros(1, device="cuda")
-    except ExecutionError as exc:
-        write_message(stream, {"type": "error", "role": "workload", "kind": exc.kind, "message": exc.message})
-        return 0
-    if _run_role(stream, torch, workload, "baseline", workload.baseline, config) and config.get("candidate"):
-        try:
-            candidate = load_candidate(config["candidate"], workload.entry)
-        except ExecutionError as exc:
-            write_message(stream, {"type": "error", "role": "candidate", "kind": exc.kind, "message": exc.message})
-        else:
-            _run_role(stream, torch, workload, "candidate", candidate, config)
-    write_message(stream, {"type": "done"})
-    stream.close()
+        runner.serve()
+    except ChannelError as exc:
+        print(f"kcoral runner: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())
