@@ -53,7 +53,8 @@ def _quartiles(values: Sequence[float]) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class BracketSummary:
-    """A role's brackets in milliseconds (harness GPU clock), summarised over its latest calls."""
+    """A role's brackets in milliseconds per call (harness GPU clock; one sample per batch of calls),
+    summarised over its latest samples."""
 
     calls: int
     median_ms: float
@@ -79,7 +80,7 @@ class BracketSummary:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "calls": self.calls,
+            "samples": self.calls,
             "median_ms": round(self.median_ms, 6),
             "min_ms": round(self.min_ms, 6),
             "iqr_ms": round(self.iqr_ms, 6),

@@ -11,9 +11,10 @@ What it is told, in order (``kcoral.workloads.harness`` drives it; every message
   workload and answers ``ready`` (with whether the gate works here).
 - ``role``: ``null`` (a call that launches nothing), ``baseline``, or ``candidate``; the candidate
   file is imported only now, after the null and baseline roles are done. Answer: ``loaded``.
-- ``call``: one bracketed call. Queue a wait on the gate (the call's sequence number), the call on
-  the shared inputs, the copy of its output into the shared output buffer and the call's sequence
-  number written into the completion word; answer ``queued`` at once (the harness then opens the gate and times it).
+- ``call``: a batch of bracketed calls. Queue a wait on the gate (the batch's sequence number),
+  each call on its set of shared inputs, the copy of its output into its shared output buffer, and
+  the sequence number written into the completion word; answer ``queued`` at once (the harness then
+  opens the gate and times the batch).
 - ``measure``: time the role with ``benchmark``'s CUPTI timer (``kcoral.timing``); each of its calls
   asks for fresh inputs (``need``, answered ``inputs`` once the harness has put them in the shared
   buffers). Answer: ``timing`` with the report.
@@ -49,7 +50,9 @@ class Runner:
         self.torch = torch
         self.fd = fd
         self.reader = MessageReader(fd, lambda: WAIT_SECONDS)
-        self.inputs: tuple[Any, ...] = ()
+        self.sets: list[tuple[Any, ...]] = []  # one set of shared inputs per call of a batch
+        self.outputs: list[Any] = []  # and one shared output
+        self.inputs: tuple[Any, ...] = ()  # the first set: the correctness call's and the timer's
         self.output: Any = None
         self.done: Any = None
         self.gate: StreamWait | None = None
@@ -75,12 +78,20 @@ class Runner:
         torch.zeros(1, device="cuda")  # the CUDA context, before the driver is asked to open handles
         self.workload = load_workload(str(message["folder"]))
         self.candidate = message.get("candidate")
-        self.inputs = tuple(
+        self.sets = [
+            tuple(
+                OpenedBuffer(torch, str(item["handle"]), BufferMeta.parse(item["meta"]), self.device).tensor
+                for item in inputs
+            )
+            for inputs in message["inputs"]
+        ]
+        self.outputs = [
             OpenedBuffer(torch, str(item["handle"]), BufferMeta.parse(item["meta"]), self.device).tensor
-            for item in message["inputs"]
-        )
-        output = message["output"]
-        self.output = OpenedBuffer(torch, str(output["handle"]), BufferMeta.parse(output["meta"]), self.device).tensor
+            for item in message["outputs"]
+        ]
+        if not self.sets or len(self.sets) != len(self.outputs):
+            raise ExecutionError("parse", "the harness sent no buffers, or not one output per set of inputs")
+        self.inputs, self.output = self.sets[0], self.outputs[0]
         flag = OpenedBuffer(torch, str(message["flag"]), BufferMeta("int32", (1,)), self.device)
         self.gate = StreamWait(torch, flag.pointer)
         self.done = OpenedBuffer(torch, str(message["done"]), BufferMeta("int32", (1,)), self.device).tensor
@@ -98,23 +109,29 @@ class Runner:
             raise ExecutionError("parse", f"no such role: {role!r}")
         self.role = role
 
-    def call(self, seq: int, gated: bool) -> None:
-        """Queue one bracketed call behind the gate; its output goes to the shared buffer."""
+    def call(self, seq: int, gated: bool, count: int) -> None:
+        """Queue a batch of ``count`` bracketed calls behind the gate: call ``j`` on the ``j``-th set
+        of shared inputs, its output copied to the ``j``-th shared output; then the completion word."""
         torch = self.torch
         assert self.fn is not None and self.gate is not None
+        if not 1 <= count <= len(self.sets):
+            raise ExecutionError("parse", f"a batch of {count} calls, with {len(self.sets)} sets of buffers")
         if gated:
             self.gate.wait(seq)
-        value = self.fn(*self.inputs)
-        if type(value) is not torch.Tensor:
-            raise ExecutionError("correctness", f"the output is a {type(value).__name__}, not a plain tensor")
+        for inputs, output in zip(self.sets[:count], self.outputs, strict=False):
+            value = self.fn(*inputs)
+            if type(value) is not torch.Tensor:
+                raise ExecutionError("correctness", f"the output is a {type(value).__name__}, not a plain tensor")
+            with torch._C.DisableTorchFunction():
+                if value.shape != output.shape or value.dtype != output.dtype or not value.is_cuda:
+                    raise ExecutionError(
+                        "correctness",
+                        f"the output is a {value.dtype} tensor of shape {list(value.shape)} on {value.device}; "
+                        f"expected {output.dtype} of shape {list(output.shape)} on the GPU",
+                    )
+                torch.Tensor.copy_(output, value)
+            del value
         with torch._C.DisableTorchFunction():
-            if value.shape != self.output.shape or value.dtype != self.output.dtype or not value.is_cuda:
-                raise ExecutionError(
-                    "correctness",
-                    f"the output is a {value.dtype} tensor of shape {list(value.shape)} on {value.device}; "
-                    f"expected {self.output.dtype} of shape {list(self.output.shape)} on the GPU",
-                )
-            torch.Tensor.copy_(self.output, value)
             torch.Tensor.fill_(self.done, seq)
 
     def measure(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +162,7 @@ class Runner:
                     self.set_role(str(message.get("role")))
                     self.send({"type": "loaded", "role": self.role})
                 elif kind == "call":
-                    self.call(int(message["seq"]), bool(message.get("gated")))
+                    self.call(int(message["seq"]), bool(message.get("gated")), int(message.get("count") or 1))
                     self.send({"type": "queued", "call": message.get("call")})
                 elif kind == "measure":
                     report = self.measure(dict(message.get("config") or {}))
