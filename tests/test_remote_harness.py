@@ -7,7 +7,9 @@ import json
 import os
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +18,9 @@ from kcoral.errors import ExecutionError
 from kcoral.workloads import bracket, harness
 from kcoral.workloads.channel import MessageReader, deadline_after, send_message
 from kcoral.workloads.format import load_workload
+from kcoral.workloads.ipc import BufferMeta
+
+torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -365,3 +370,136 @@ def test_the_programs_stdout_can_go_to_stderr(capsys: pytest.CaptureFixture[str]
     show_output("remote", result, stdout=sys.stderr)
     captured = capsys.readouterr()
     assert captured.out == "" and '"speedup": 25' in captured.err and "noise" in captured.err
+
+
+# ----------------------------------------------------------------------------- the timer's calls
+
+
+class _Buffer:
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.meta = BufferMeta.of(torch, tensor)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def no_cuda_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+
+
+def test_the_runner_hands_each_timed_output_over_before_asking_for_the_next_inputs(
+    monkeypatch: pytest.MonkeyPatch, no_cuda_sync: None
+) -> None:
+    import socket
+
+    import kcoral.timing.benchmark as timing_benchmark
+    from kcoral.workloads import runner as runner_module
+
+    ours, theirs = socket.socketpair()
+    seen: list[Any] = []
+
+    def fake_measure(fn: Any, *, config: Any, inputs: Any, keep_outputs: int) -> Any:
+        for index in range(3):
+            fn(*inputs(index))
+        return SimpleNamespace(report={"latency_ms_median": 0.1})
+
+    monkeypatch.setattr(timing_benchmark, "measure", fake_measure)
+    runner = runner_module.Runner(torch, theirs.fileno())
+    runner.inputs = (torch.ones(4),)
+    runner.output = torch.zeros(4)
+    runner.fn = lambda x: x * 2
+    reader = MessageReader(os.dup(ours.fileno()), deadline_after(10))
+
+    def harness_side() -> None:
+        for index in range(3):
+            header, _ = reader.read()  # type: ignore[misc]
+            seen.append((header, runner.output.clone()))
+            runner.inputs[0].fill_(float(index + 2))
+            send_message(ours.fileno(), {"type": "inputs", "index": index})
+
+    thread = threading.Thread(target=harness_side)
+    thread.start()
+    report = runner.measure({})
+    thread.join(10)
+    assert report == {"latency_ms_median": 0.1}
+    assert [h["index"] for h, _ in seen] == [0, 1, 2]
+    assert [h["handed"] for h, _ in seen] == [False, True, True]
+    # The output handed with need(1) is call 0's (inputs 2 -> 4), with need(2) call 1's (3 -> 6).
+    assert seen[1][1].tolist() == [4.0] * 4 and seen[2][1].tolist() == [6.0] * 4
+    ours.close()
+    theirs.close()
+
+
+def test_an_output_of_another_shape_is_refused_when_handed_over(no_cuda_sync: None) -> None:
+    import socket
+
+    from kcoral.workloads import runner as runner_module
+
+    left, right = socket.socketpair()
+    runner = runner_module.Runner(torch, right.fileno())
+    runner.output = torch.zeros(4)
+    try:
+        with pytest.raises(ExecutionError) as caught:
+            runner.hand_over(torch.zeros(5))
+        assert caught.value.kind == "correctness"
+        with pytest.raises(ExecutionError):
+            runner.hand_over(torch.zeros(4, dtype=torch.float64))
+    finally:
+        left.close()
+        right.close()
+
+
+def _measure_session(tmp_path: Path, stub: str) -> harness.Session:
+    session = _session(tmp_path, stub)
+    session.torch = torch
+    output = _Buffer(torch.zeros(4))
+    session.sets = [[_Buffer(torch.zeros(4))]]
+    session.inputs = session.sets[0]
+    session.outputs = [output]
+    session.output = output  # type: ignore[assignment]
+    return session
+
+
+MEASURE_STUB = (
+    STUB_PROLOGUE
+    + """
+reader.read()  # measure
+for index in range(40):
+    send_message(0, {"type": "need", "index": index, "handed": index > 0})
+    reader.read()
+send_message(0, {"type": "timing", "report": {"latency_ms_median": 0.05}})
+"""
+)
+
+
+def test_the_harness_keeps_a_sample_of_the_timers_outputs(tmp_path: Path, no_cuda_sync: None) -> None:
+    session = _measure_session(tmp_path, MEASURE_STUB)
+    result = harness.RoleResult("candidate")
+    try:
+        assert session.measure(result, keep=8) == {"latency_ms_median": 0.05}
+    finally:
+        session.close()
+    assert len(result.kept) == 8 and result.calls == 39
+    assert len({seed for seed, _ in result.kept}) == 8
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        'send_message(0, {"type": "need", "index": 1, "handed": True})',
+        'send_message(0, {"type": "need", "index": 0, "handed": True})',
+        'send_message(0, {"type": "need", "index": 0, "handed": False})\nreader.read()\n'
+        'send_message(0, {"type": "need", "index": 1, "handed": False})',
+    ],
+    ids=["index-out-of-turn", "handed-before-any-call", "output-not-handed"],
+)
+def test_the_timers_requests_are_checked(tmp_path: Path, no_cuda_sync: None, lie: str) -> None:
+    session = _measure_session(tmp_path, STUB_PROLOGUE + "reader.read()\n" + lie + "\nreader.read()\n")
+    try:
+        with pytest.raises(ExecutionError) as caught:
+            session.measure(harness.RoleResult("candidate"), keep=4)
+        assert caught.value.kind == "integrity"
+    finally:
+        session.close()

@@ -360,8 +360,16 @@ class Session:
         del made
         return float(start.elapsed_time(end)) / len(seeds), host_ms / len(seeds)
 
-    def measure(self) -> dict[str, Any]:
-        """The candidate's own CUPTI measurement, every call on fresh inputs from here."""
+    def measure(self, result: RoleResult, keep: int = OUTPUTS_KEPT) -> dict[str, Any]:
+        """The candidate's own CUPTI measurement, every call on fresh inputs from here; each call's
+        output, handed over when the next call asks for its inputs, is kept by the harness's draw
+        (``keep`` of them) and checked with the rest."""
+        torch = self.torch
+        assert self.output is not None
+        slots = [torch.empty_like(self.output.tensor) for _ in range(keep)]
+        seeds: list[int | None] = [None] * keep
+        reservoir = Reservoir(keep)
+        previous: int | None = None
         self.send({"type": "measure", "config": self.workload.timing})
         expected_index = 0
         while True:
@@ -371,11 +379,21 @@ class Session:
                 # The timer asks for call 0, 1, 2, ... in turn; anything else is someone else asking.
                 if header.get("index") != expected_index:
                     raise self._broken(f"inputs asked for call {header.get('index')!r}, expected {expected_index}")
+                if header.get("handed") is not (previous is not None):
+                    raise self._broken(f"call {expected_index - 1}'s output was not handed over")
+                if previous is not None:
+                    slot = reservoir.slot()
+                    if slot is not None:
+                        slots[slot].copy_(self.output.tensor)
+                        seeds[slot] = previous
                 expected_index += 1
-                self._place(self.workload.inputs(fresh_seed()))
-                self.torch.cuda.synchronize()
+                previous = fresh_seed()
+                self._place(self.workload.inputs(previous))
+                torch.cuda.synchronize()
                 self.send({"type": "inputs", "index": header.get("index")})
             elif kind == "timing" and isinstance(header.get("report"), dict):
+                result.kept.extend((seed, slot) for seed, slot in zip(seeds, slots, strict=True) if seed is not None)
+                result.calls += reservoir.seen
                 return dict(header["report"])
             else:
                 raise self._broken(f"expected 'need' or 'timing', got {str(header)[:300]}")
@@ -400,8 +418,8 @@ class Session:
                 result.brackets_ms.append(bracket_ms)
                 result.host_ms.append(host_ms)
         torch.cuda.synchronize()
-        result.kept = [(seed, slot) for seed, slot in zip(seeds, slots, strict=True) if seed is not None]
-        result.calls = reservoir.seen
+        result.kept.extend((seed, slot) for seed, slot in zip(seeds, slots, strict=True) if seed is not None)
+        result.calls += reservoir.seen
 
     def finish(self) -> None:
         self.role = "finish"
@@ -453,7 +471,7 @@ def run_role(session: Session, role: RoleResult, seed: int, first: Any) -> None:
             session.bracketed([seed], [first])
             session.torch.cuda.synchronize()
             role.correctness = "committed"
-            role.timing = session.measure()
+            role.timing = session.measure(role)
         session.brackets(role, OUTPUTS_KEPT if role.name != "null" else 0)
     except RoleFailed as exc:
         role.error = exc.error

@@ -6,8 +6,8 @@ are the harness's standard error (never the stream the report is printed on).
 
 What it is told, in order (``kcoral.workloads.harness`` drives it; every message is answered):
 
-- ``start``: the workload folder and the candidate file, the shared buffers (one per input, one for
-  the output, the gate's word, the completion word) as IPC handles. It opens them, loads the
+- ``start``: the workload folder and the candidate file, the shared buffers (one set of inputs and
+  one output per call of a batch, the gate's word, the completion word) as IPC handles. It opens them, loads the
   workload and answers ``ready`` (with whether the gate works here).
 - ``role``: ``null`` (a call that launches nothing), ``baseline``, or ``candidate``; the candidate
   file is imported only now, after the null and baseline roles are done. Answer: ``loaded``.
@@ -17,7 +17,8 @@ What it is told, in order (``kcoral.workloads.harness`` drives it; every message
   opens the gate and times the batch).
 - ``measure``: time the role with ``benchmark``'s CUPTI timer (``kcoral.timing``); each of its calls
   asks for fresh inputs (``need``, answered ``inputs`` once the harness has put them in the shared
-  buffers). Answer: ``timing`` with the report.
+  buffers), having first handed the previous call's output over in the first shared output buffer
+  (``handed``). Answer: ``timing`` with the report.
 - ``finish``: answer ``done`` and exit.
 
 A failure is answered ``error`` (``kind``, ``message``). Nothing is checked here, and nothing this
@@ -120,33 +121,47 @@ class Runner:
             self.gate.wait(seq)
         for inputs, output in zip(self.sets[:count], self.outputs, strict=False):
             value = self.fn(*inputs)
-            if type(value) is not torch.Tensor:
-                raise ExecutionError("correctness", f"the output is a {type(value).__name__}, not a plain tensor")
+            _check_output(torch, value, output)
             with torch._C.DisableTorchFunction():
-                if value.shape != output.shape or value.dtype != output.dtype or not value.is_cuda:
-                    raise ExecutionError(
-                        "correctness",
-                        f"the output is a {value.dtype} tensor of shape {list(value.shape)} on {value.device}; "
-                        f"expected {output.dtype} of shape {list(output.shape)} on the GPU",
-                    )
                 torch.Tensor.copy_(output, value)
             del value
         with torch._C.DisableTorchFunction():
             torch.Tensor.fill_(self.done, seq)
 
+    def hand_over(self, value: Any) -> None:
+        """Copy one output to the first shared output buffer and wait for it (the timer's calls)."""
+        torch = self.torch
+        _check_output(torch, value, self.output)
+        with torch._C.DisableTorchFunction():
+            torch.Tensor.copy_(self.output, value)
+        torch.cuda.synchronize()
+
     def measure(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The timer's CUPTI measurement. Each of its calls gets fresh inputs from the harness, and
+        hands its output over when the next one asks for them (in the timer's gap, untimed): the
+        harness keeps a sample of these too and checks them."""
         from kcoral.timing.benchmark import measure
 
-        assert self.fn is not None
+        fn = self.fn
+        assert fn is not None
+        last: list[Any] = []
+
+        def timed(*inputs: Any) -> Any:
+            value = fn(*inputs)
+            last[:] = [value]
+            return value
 
         def fresh(index: int) -> tuple[Any, ...]:
-            self.send({"type": "need", "index": index})
+            handed = bool(last)
+            if handed:
+                self.hand_over(last.pop())
+            self.send({"type": "need", "index": index, "handed": handed})
             reply = self.receive()
             if reply.get("type") != "inputs" or reply.get("index") != index:
                 raise ChannelError(f"expected inputs for call {index}, got {reply.get('type')!r}")
             return self.inputs
 
-        run = measure(self.fn, config=config, inputs=fresh, keep_outputs=0)
+        run = measure(timed, config=config, inputs=fresh, keep_outputs=0)
         return _plain(run.report)
 
     def serve(self) -> None:
@@ -188,6 +203,19 @@ class Runner:
                         "traceback": traceback.format_exc()[-4000:],
                     }
                 )
+
+
+def _check_output(torch: Any, value: Any, output: Any) -> None:
+    """ExecutionError("correctness") unless ``value`` is a plain tensor shaped like the shared ``output``."""
+    if type(value) is not torch.Tensor:
+        raise ExecutionError("correctness", f"the output is a {type(value).__name__}, not a plain tensor")
+    with torch._C.DisableTorchFunction():
+        if value.shape != output.shape or value.dtype != output.dtype or value.device != output.device:
+            raise ExecutionError(
+                "correctness",
+                f"the output is a {value.dtype} tensor of shape {list(value.shape)} on {value.device}; "
+                f"expected {output.dtype} of shape {list(output.shape)} on {output.device}",
+            )
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
