@@ -35,28 +35,30 @@ def test_an_armed_snapshot_holds_every_watched_module() -> None:
     assert "kcoral.timing.config.BenchmarkConfig.from_mapping" in names
 
 
-def _calls_after_last_check(source: str) -> list[str]:
-    """Dotted names called in _run after its last _fail_on_changes."""
+def _function(source: str, name: str) -> ast.FunctionDef:
     tree = ast.parse(source)
-    run = next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "_run")
-    calls = [node for node in ast.walk(run) if isinstance(node, ast.Call)]
-    checks = [
-        c.lineno for c in calls if isinstance(c.func, ast.Name) and c.func.id in ("fail_on_changes", "_fail_on_changes")
-    ]
-    last = max(checks)
-    return [ast.unparse(c.func) for c in calls if c.lineno > last]
+    return next(node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == name)
 
 
-def test_nothing_of_torch_is_looked_up_after_the_last_check() -> None:
-    after = _calls_after_last_check(Path(benchmark.__file__).read_text())
-    assert after, "the report is made after the last check"
-    assert not [name for name in after if name.startswith("torch.")], after
+def _calls(function: ast.FunctionDef) -> list[ast.Call]:
+    return [node for node in ast.walk(function) if isinstance(node, ast.Call)]
+
+
+def test_nothing_of_torch_is_looked_up_while_the_report_is_made() -> None:
+    """_run measures (_measure, whose last step is the last check), then makes the report."""
+    source = Path(benchmark.__file__).read_text()
+    run = [ast.unparse(c.func) for c in _calls(_function(source, "_run"))]
+    assert run.index("_measure") < run.index("_report")
+    report = [ast.unparse(c.func) for c in _calls(_function(source, "_report"))]
+    assert not [name for name in report if name.startswith("torch.")], report
+    assert "fail_on_changes" not in run[run.index("_measure") + 1 :]
 
 
 def test_the_last_check_follows_the_untimed_calls_of_the_output_check() -> None:
-    source = Path(benchmark.__file__).read_text()
-    run = source[source.index("def _run(") :]
-    assert run.index("check_outputs(") < run.rindex("fail_on_changes(")
+    calls = _calls(_function(Path(benchmark.__file__).read_text(), "_measure"))
+    names = [(c.lineno, ast.unparse(c.func)) for c in calls]
+    last_check = max(line for line, name in names if name == "fail_on_changes")
+    assert max(line for line, name in names if name == "check_outputs") < last_check
 
 
 def test_the_device_name_is_a_reference_taken_at_arm() -> None:
