@@ -1,10 +1,11 @@
 """The harness's own measurement of a role's calls, and what it makes of the candidate's CUPTI figure
 (pure arithmetic: no torch, CPU-testable).
 
-A *bracket* is one call timed by the harness on the GPU clock of its own process: its start event,
-then the call's inputs copied into the shared buffers and the L2 flushed, then the gate opened (the
-candidate's queued call may start), a wait on the candidate's completion event, the copy of the
-output into the harness's own memory (the commit), and its end event. The inputs exist only after
+A *bracket* is one batch of calls timed by the harness on the GPU clock of its own process: its
+start event, then the calls' inputs copied into the shared buffers and the L2 flushed, then the
+gate opened (the candidate's queued calls may start), a wait for the candidate's completion word,
+the copy of the outputs into the harness's own memory (the commit), and its end event; divided by
+the calls of the batch. The inputs exist only after
 the start event, and a committed output is checked, so the GPU work of a correct call lies inside
 the bracket; two processes' contexts take turns on the GPU, so the bracket also holds the harness's
 own work around it. The *null* role (a call that launches nothing: its output is a tensor made
@@ -17,6 +18,11 @@ absolute tolerance, and not below it by more than ``BELOW_SHARE`` plus the absol
 larger of ``ABS_TOLERANCE_MS`` and ``NULL_SPREAD_FACTOR`` times the null's interquartile range).
 Otherwise the role is ``suspect`` and its time is the net bracket (or the CUPTI figure, where that is
 the larger: a time is never taken below what either clock says).
+
+What the bracket does not hold: a candidate that sets the completion word before its work is done
+shortens the bracket by at most the harness's latency in noticing it (about 0.085 ms a batch on the
+H200), and its outputs are then committed while its work still runs (a failed check, unless the two
+processes' turns on the GPU happen to let the work finish first).
 """
 
 from __future__ import annotations

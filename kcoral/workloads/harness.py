@@ -8,15 +8,18 @@ to do next (its standard output and error go to the harness's standard error). T
 - the seeds (fresh from ``secrets`` for every call) and every call's inputs, made in its own process
   and memory. Just before a call it copies them into buffers shared with the candidate's process
   (``kcoral.workloads.ipc``, one driver allocation each: nothing else of the harness is visible);
-- the clock. Each *bracketed* call: the candidate's process queues its call behind a gate (a stream
-  wait on a shared word) and says so; the harness then records its start event, copies the inputs
-  in, flushes the L2 cache, opens the gate, waits on the candidate's completion event, copies the
-  output into its own memory and records its end event (``kcoral.workloads.bracket`` says why this
-  holds the call's GPU work). The null role calibrates the fixed overhead in the same run;
+- the clock. Each *bracketed* batch: the candidate's process queues its calls behind a gate (a
+  stream wait on a shared word) and says so; the harness then records its start event, copies the
+  inputs in, flushes the L2 cache, opens the gate, waits (on its own stream) for the candidate's
+  completion word, copies the outputs into its own memory and records its end event
+  (``kcoral.workloads.bracket`` says why this holds the calls' GPU work). The null role calibrates
+  the fixed overhead in the same run;
 - the outputs. Each bracketed call's output is committed (copied into the harness's memory) inside
-  its bracket; whether it is kept for the check is decided then, by the harness's own random draw
-  (reservoir sampling of ``OUTPUTS_KEPT`` of the ``BRACKET_CALLS`` + ``WARM_CALLS`` calls), so no
-  call can know it. All kept outputs are checked here, against this process's reference for the
+  its bracket; whether it is kept for the check is decided after the call, by the harness's own
+  random draw (reservoir sampling of ``OUTPUTS_KEPT`` of the (``WARM_BATCHES`` +
+  ``BRACKET_BATCHES``) x ``batch`` calls: 16 of 448 for the shipped workloads), so no call can know
+  it. The calls the candidate's own timer makes hand their outputs over too, and 16 of those are
+  kept the same way. All kept outputs are checked here, against this process's reference for the
   seed, after the candidate's process is done with the GPU. A candidate whose outputs are stale in
   half of the calls passes with probability 0.5 ** OUTPUTS_KEPT (1.5e-5);
 - the judgement. The candidate's own CUPTI figure (``benchmark``'s timer in its process, fed with
