@@ -477,6 +477,6 @@ def test_a_cuda_context_made_for_other_gpus_refuses_the_program(monkeypatch: pyt
     assert cuda_view_mismatch([1]) is None
     for gpu_ids in ([0], [1, 2], []):
         refusal = cuda_view_mismatch(gpu_ids)
-        assert refusal is not None and "KCORAL_EAGER_CUDA" in refusal
+        assert refusal is not None and "--cuda-context lazy" in refusal
     fake_torch.cuda.is_initialized = lambda: False  # no context yet: any GPUs will do
     assert cuda_view_mismatch([0, 3]) is None

@@ -54,6 +54,9 @@ class RecordingBroker:
     def dispatch(self) -> None:
         self.dispatches += 1
 
+    def worker_joined(self, worker: Worker) -> None:
+        self.dispatch()
+
     def tell(self, request: Request, body: dict[str, Any]) -> None:
         self.told.append(body)
 

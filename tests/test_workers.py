@@ -75,3 +75,18 @@ def test_the_least_busy_fitting_worker_is_picked() -> None:
         assert two is not None and two.identity == b"w2"
 
     run(main)
+
+
+def test_a_worker_with_its_cuda_context_made_ahead_serves_its_slots_gpu_alone() -> None:
+    async def main() -> None:
+        pool, slots = pool_of(0, 1)
+        slots[0].worker, slots[1].worker = "warm", "odd"
+        warm = pool.ready(b"warm", {"slot": 0, "gpu": 0, "gpu_view": [0]})
+        odd = pool.ready(b"odd", {"slot": 1, "gpu": 1, "gpu_view": [0]})  # not its slot's GPU: not taken
+        assert warm is not None and warm.gpu_view == (0,)
+        assert odd is not None and odd.gpu_view is None
+        assert pool.pick(2, {0: 0, 1: 0}) is odd  # a two-GPU program: only the one without a context
+        assert pool.pick(2, {0: 0, 1: 0}) is None
+        assert pool.pick(1, {0: 0, 1: 0}) is warm
+
+    run(main)

@@ -141,6 +141,7 @@ class Broker:
             provenance=self.provenance,
         )
         self.upstream: UpstreamLink | None = None
+        self.lazy_asked: set[int] = set()  # slots whose next worker was asked to make no CUDA context
 
     # --- setup ---
 
@@ -219,17 +220,26 @@ class Broker:
                 return
             worker = self.pool.pick(request.gpu_count, self._gpu_load())
             if worker is None:
-                # Every idle worker is a reused one confined to a different number of GPUs (see
-                # kcoral.worker.confinement): retire one; its slot's fresh worker takes the program.
-                self._retire_idle_worker()
+                # Every idle worker serves a different number of GPUs: a reused one confined to
+                # them (see kcoral.worker.confinement), or one with its CUDA context made ahead on
+                # its slot's GPU. Retire one (unless one is retired already); its slot's next
+                # worker, made without a context, takes the program.
+                if not self.lazy_asked:
+                    self._retire_idle_worker()
                 self.queue.push_front(request)
                 return
             self._start(request, worker)
 
     def _retire_idle_worker(self) -> None:
         worker = self.pool.take_any_idle()
-        log.info("worker_retired", worker=worker.identity.decode(), reason="confined to other GPUs")
-        self.supervisor.kill_worker(worker.slot, worker.identity.decode())
+        log.info("worker_retired", worker=worker.identity.decode(), reason="serves other GPUs")
+        self.lazy_asked.add(worker.slot)
+        self.supervisor.kill_worker(worker.slot, worker.identity.decode(), lazy_next=True)
+
+    def worker_joined(self, worker: Worker) -> None:
+        """A worker said READY and may take programs: a slot asked for one without a context has it."""
+        self.lazy_asked.discard(worker.slot)
+        self.dispatch()
 
     def _gpu_load(self) -> dict[int, int]:
         """Running programs per GPU, counting every GPU of a multi-GPU program, and the GPUs still

@@ -27,7 +27,7 @@ from typing import ClassVar, Final
 
 import structlog
 
-from kcoral.broker.settings import BrokerSettings
+from kcoral.broker.settings import BrokerSettings, slots_per_gpu
 from kcoral.broker.supervisor import SlotSpec
 from kcoral.broker.target import TargetInfo
 from kcoral.protocol.zygote_link import ZYGOTE_MODULE, ZygoteSettings
@@ -170,7 +170,8 @@ def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, conn
     each a zygote command in its sandbox (checked once here: SandboxUnavailable otherwise)."""
     launcher = zygote_launcher(settings, run_dir)
     if target.lease_gpus:
-        placement: list[int | None] = [g for g in target.lease_gpus for _ in range(settings.workers_per_gpu)]
+        per_gpu = slots_per_gpu(settings)
+        placement: list[int | None] = [g for g in target.lease_gpus for _ in range(per_gpu)]
     else:
         placement = [None] * settings.workers
     # Every slot's sandbox holds every GPU's node; each worker keeps its program's (confinement).
@@ -189,6 +190,9 @@ def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, conn
             limits=dict(settings.limits),
             gpu_nodes=gpu_nodes,
             sandboxed=launcher.sandboxed,
+            # Fake GPUs have no device to make a context on.
+            cuda_context=settings.cuda_context if not target.fake else "lazy",
+            gpu_handover=settings.gpu_handover,
         )
         argv = launcher.wrap(zygote_argv(zygote), slot=slot, workspace=workspace, gpu_nodes=gpu_binds)
         specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))

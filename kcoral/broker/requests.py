@@ -33,7 +33,9 @@ class Worker:
     request_id: str | None = None
     exited: bool = False
     programs: int = 0  # programs sent to it: the broker, not the worker, decides on reuse
-    gpu_view: tuple[int, ...] | None = None  # the GPUs a reused sandboxed worker is confined to
+    # The only GPUs it can serve: those a reused sandboxed worker is confined to, or the slot's GPU
+    # where it made its CUDA context ahead. None: any.
+    gpu_view: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -27,7 +27,13 @@ from kcoral.service.fairness import ORPHAN_GRACE_SECONDS, client_queue_limit, up
 
 # CPU workers where there are no GPUs: the host's cores, 1 to this many.
 MAX_DEFAULT_CPU_WORKERS = 4
+# Worker slots per real GPU unless told: with a CUDA context made ahead in each worker, the slots of
+# a GPU overlap one program's context teardown and the next worker's context with the programs of
+# the others (benchmarks/RESULTS.md, "Fresh GPU programs at the driver's floor"). Fake GPUs get one.
+DEFAULT_WORKERS_PER_REAL_GPU = 4
 SANDBOXES = ("auto", "bubblewrap", "none")
+CUDA_CONTEXTS = ("eager", "lazy")
+GPU_HANDOVERS = ("exit", "quiet")
 
 # Default per-worker limits (see kcoral.worker.processes for how each is enforced). Generous for
 # real work, tight enough that a runaway program fails with a message naming the limit before it
@@ -69,7 +75,7 @@ class BrokerSettings:
     device: str = "auto"  # "gpu", "cpu" or "auto"
     gpus: tuple[int, ...] | None = None  # None: every local GPU
     fake_gpus: int = 0
-    workers_per_gpu: int = 1
+    workers_per_gpu: int = 0  # 0: DEFAULT_WORKERS_PER_REAL_GPU per real GPU, 1 per fake one (resolve())
     workers: int = field(default_factory=default_cpu_workers)  # CPU workers where there are no GPUs
     # "bubblewrap": never run programs without the walls unless told to; "auto": bubblewrap where it
     # runs, none with a warning where it does not (resolve() decides); "none".
@@ -77,6 +83,13 @@ class BrokerSettings:
     sandbox_reason: str = ""  # why there is none, when bubblewrap could not run (--sandbox auto)
     sandbox_readonly_paths: tuple[Path, ...] = ()
     max_programs_per_worker: int = 1
+    # "eager": every worker on a real GPU makes its CUDA context as soon as it is forked, before its
+    # program comes (the spare forked ahead too); "lazy": the program makes it, on its own time.
+    cuda_context: str = "eager"
+    # When the GPU lease of a finished program whose worker made a CUDA context goes back: "exit",
+    # once the worker has exited (its context torn down); "quiet", once none of its processes can
+    # run code any more, while the driver may still tear the context down.
+    gpu_handover: str = "exit"
     # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
     # --cache-dir (or --run-dir) for a disk cache that survives a restart.
     cache_dir: Path | None = None
@@ -152,6 +165,13 @@ def resolve(settings: BrokerSettings) -> BrokerSettings:
             if sandbox == "bubblewrap":
                 raise
             sandbox, reason = "none", f"--sandbox auto, and bubblewrap cannot run here: {exc}"
+    for name, value, allowed in (
+        ("cuda_context", settings.cuda_context, CUDA_CONTEXTS),
+        ("gpu_handover", settings.gpu_handover, GPU_HANDOVERS),
+    ):
+        if value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
+    settings = dataclasses.replace(settings, workers_per_gpu=slots_per_gpu(settings))
     slots = slot_count(settings)
     limits = {**FIXED_DEFAULT_LIMITS, **settings.limits}
     if "memory_bytes" not in limits:
@@ -166,16 +186,24 @@ def resolve(settings: BrokerSettings) -> BrokerSettings:
     )
 
 
+def slots_per_gpu(settings: BrokerSettings) -> int:
+    """Worker slots per GPU: as given, else DEFAULT_WORKERS_PER_REAL_GPU on real GPUs, 1 on fake ones."""
+    if settings.workers_per_gpu:
+        return settings.workers_per_gpu
+    return 1 if settings.fake_gpus else DEFAULT_WORKERS_PER_REAL_GPU
+
+
 def slot_count(settings: BrokerSettings) -> int:
     """The worker slots the broker will run, found before it starts (and without CUDA)."""
+    per_gpu = slots_per_gpu(settings)
     if settings.fake_gpus:
-        slots = settings.fake_gpus * settings.workers_per_gpu
+        slots = settings.fake_gpus * per_gpu
     elif settings.gpus:
-        slots = len(settings.gpus) * settings.workers_per_gpu
+        slots = len(settings.gpus) * per_gpu
     else:
         # Counting device nodes finds the GPUs without initialising CUDA in this process.
         gpus = 0 if settings.device == "cpu" else len(list(Path("/dev").glob("nvidia[0-9]*")))
-        slots = gpus * settings.workers_per_gpu if gpus else settings.workers
+        slots = gpus * per_gpu if gpus else settings.workers
     return max(1, slots)
 
 
@@ -196,12 +224,16 @@ def default_workspace_bytes(run_dir: Path | None, slots: int) -> int:
 
 
 __all__ = [
+    "CUDA_CONTEXTS",
     "DEFAULT_MAX_FILE_BYTES",
     "DEFAULT_MAX_OPEN_FILES",
     "DEFAULT_MAX_PROCESSES",
+    "DEFAULT_WORKERS_PER_REAL_GPU",
+    "GPU_HANDOVERS",
     "SANDBOXES",
     "BrokerSettings",
     "default_cpu_workers",
     "resolve",
     "slot_count",
+    "slots_per_gpu",
 ]

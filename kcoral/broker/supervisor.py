@@ -111,25 +111,28 @@ class Supervisor:
             self._tasks.append(asyncio.create_task(self._keep_running(spec.slot)))
         self._tasks.append(asyncio.create_task(self._check_liveness()))
 
-    def kill_worker(self, slot: int, worker: str | None = None) -> None:
+    def kill_worker(self, slot: int, worker: str | None = None, *, lazy_next: bool = False) -> None:
         """Kill the slot's current worker and everything it started; only ``worker``, where named:
-        one that has exited meanwhile has a successor, which the command must not reach."""
+        one that has exited meanwhile has a successor, which the command must not reach.
+        ``lazy_next``: the worker after it makes no CUDA context ahead (a program on other GPUs
+        than the slot's waits for it)."""
         state = self.states.get(slot)
         target = worker if worker is not None else state.worker if state is not None else None
         if state is not None and target is not None and target == state.worker and state.kill_asked is None:
             state.kill_asked = (target, time.monotonic())
-        self._command(slot, ZygoteCommand.KILL_WORKER, worker)
+        self._command(slot, ZygoteCommand.KILL_WORKER, worker, **({"next": "lazy"} if lazy_next else {}))
 
     def program_started(self, slot: int) -> None:
         """The slot's worker has a program: its successor may be forked now, off the path from that
         program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
         self._command(slot, ZygoteCommand.FORK_SPARE)
 
-    def prepare_next_worker(self, slot: int, worker: str | None = None) -> None:
+    def prepare_next_worker(self, slot: int, worker: str | None = None, *, gpu_used: bool | None = None) -> None:
         """The slot's worker (``worker``, where named) sent its last result: fork its successor now,
         while it exits. The zygote announces the successor (and the broker uses it) only once the
-        worker has exited."""
-        self._command(slot, ZygoteCommand.RETIRE_WORKER, worker)
+        worker has exited. ``gpu_used``: whether that program took the GPU lease; the slot makes
+        the CUDA contexts of its next spares ahead only while its programs do."""
+        self._command(slot, ZygoteCommand.RETIRE_WORKER, worker, **({"gpu": gpu_used} if gpu_used is not None else {}))
 
     async def _check_liveness(self) -> None:
         """Kill a zygote that stopped speaking, or that did not kill its worker when told to."""
@@ -187,12 +190,12 @@ class Supervisor:
             for s in self.states.values()
         ]
 
-    def _command(self, slot: int, command: ZygoteCommand, worker: str | None = None) -> None:
+    def _command(self, slot: int, command: ZygoteCommand, worker: str | None = None, **fields: Any) -> None:
         state = self.states.get(slot)
         if state is None or state.process is None or state.process.stdin is None:
             return
         with contextlib.suppress(ConnectionError, RuntimeError):
-            state.process.stdin.write(zygote_command_line(command, worker))
+            state.process.stdin.write(zygote_command_line(command, worker, **fields))
 
     async def _keep_running(self, slot: int) -> None:
         state = self.states[slot]
@@ -285,6 +288,8 @@ class Supervisor:
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
         elif kind is ZygoteEvent.GPU_FREE and state.worker == str(event.get("worker")):
+            if event.get("teardown"):
+                log.debug("gpu_quiet", slot=state.spec.slot, worker=state.worker, after_ms=event.get("after_ms"))
             self.on_gpu_free(str(event.get("worker")))
         elif kind is ZygoteEvent.SPARE_DISCARDED:
             log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))

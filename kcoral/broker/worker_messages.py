@@ -58,6 +58,9 @@ class WorkerPort(Protocol):
     def dispatch(self) -> None:
         """Give queued programs to idle workers."""
 
+    def worker_joined(self, worker: Worker) -> None:
+        """A worker joined the pool, idle: give it a program."""
+
     def tell(self, request: Request, body: dict[str, Any]) -> None:
         """Send the request's client a PARTIAL."""
 
@@ -134,21 +137,23 @@ class WorkerMessages:
                 self.port.tell(request, piece)
 
     def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
-        if self.pool.ready(identity, body) is not None:
-            self._worker_joined()
+        worker = self.pool.ready(identity, body)
+        if worker is not None:
+            self._worker_joined(worker)
 
     def on_forked(self, slot: int, worker: str) -> None:
-        if self.pool.forked(slot, worker) is not None:
-            self._worker_joined()
+        joined = self.pool.forked(slot, worker)
+        if joined is not None:
+            self._worker_joined(joined)
 
-    def _worker_joined(self) -> None:
+    def _worker_joined(self, worker: Worker) -> None:
         if not self.ready_announced and len(self.pool.idle) >= len(self.supervisor.slots):
             # The line an operator (or a script) waits for: every slot has a worker, programs run now.
             self.ready_announced = True
             log.info(
                 "broker_ready", endpoint=self.settings.listen, slots=len(self.pool.idle), gpus=list(self.leases.gpus)
             )
-        self.port.dispatch()
+        self.port.worker_joined(worker)
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
         try:
@@ -186,7 +191,8 @@ class WorkerMessages:
             if info.get("retire_reason"):
                 log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
             if not worker.exited:
-                self.supervisor.prepare_next_worker(worker.slot, worker.identity.decode())
+                gpu_used = request.lease_times is not None  # its worker asked for and got the lease
+                self.supervisor.prepare_next_worker(worker.slot, worker.identity.decode(), gpu_used=gpu_used)
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.

@@ -67,6 +67,11 @@ class WorkerPool:
             return None
         gpu = self.slots[slot].spec.gpu
         worker = Worker(identity, slot, gpu, int(body.get("pid") or 0))
+        if body.get("gpu_view") == [gpu] and gpu is not None:
+            # Its CUDA context was made ahead, on the slot's GPU: it serves that GPU alone. (A worker
+            # that says so falsely only narrows what it is given; one that hides it is refused its
+            # program's other GPUs by its own check, kcoral.worker.state.cuda_view_mismatch.)
+            worker.gpu_view = (gpu,)
         self.workers[identity] = worker
         self.idle[identity] = worker
         log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)

@@ -15,9 +15,12 @@ import structlog
 from kcoral import protocol
 from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS
 from kcoral.broker.settings import (
+    CUDA_CONTEXTS,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_OPEN_FILES,
     DEFAULT_MAX_PROCESSES,
+    DEFAULT_WORKERS_PER_REAL_GPU,
+    GPU_HANDOVERS,
     SANDBOXES,
     BrokerSettings,
 )
@@ -58,7 +61,12 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     broker.add_argument("--gpus", type=gpu_list, default=None, help="GPU indices to serve, e.g. 0,1 (default: all)")
     broker.add_argument("--fake-gpus", type=non_negative, default=0, help="lease tokens on a CPU host")
-    broker.add_argument("--workers-per-gpu", type=positive, default=1, help="worker slots per GPU")
+    broker.add_argument(
+        "--workers-per-gpu",
+        type=positive,
+        default=None,
+        help=f"worker slots per GPU (default: {DEFAULT_WORKERS_PER_REAL_GPU} per real GPU, 1 per fake one)",
+    )
     broker.add_argument(
         "--workers", type=positive, default=None, help="CPU workers when there are no GPUs (default: cores, 1 to 4)"
     )
@@ -79,6 +87,20 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     broker.add_argument(
         "--max-programs-per-worker", type=non_negative, default=1, help="programs a worker runs; 0: reuse workers"
+    )
+    broker.add_argument(
+        "--cuda-context",
+        choices=CUDA_CONTEXTS,
+        default=CUDA_CONTEXTS[0],
+        help="eager: each worker on a real GPU makes its CUDA context before its program comes (the "
+        "next one while the program before it runs); lazy: the program makes it",
+    )
+    broker.add_argument(
+        "--gpu-handover",
+        choices=GPU_HANDOVERS,
+        default=GPU_HANDOVERS[0],
+        help="when a finished program's GPU lease goes back where its worker made a CUDA context: at "
+        "the worker's exit (its context torn down), or as soon as none of its processes can run code",
     )
     broker.add_argument(
         "--cache-dir",
@@ -220,11 +242,13 @@ def broker_settings(args: argparse.Namespace, security: Any, upstream_keys: Any)
         device=args.device or "auto",
         gpus=args.gpus,
         fake_gpus=args.fake_gpus,
-        workers_per_gpu=args.workers_per_gpu,
+        **({"workers_per_gpu": args.workers_per_gpu} if args.workers_per_gpu is not None else {}),
         **({"workers": args.workers} if args.workers is not None else {}),
         sandbox=args.sandbox,
         sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
         max_programs_per_worker=args.max_programs_per_worker,
+        cuda_context=args.cuda_context,
+        gpu_handover=args.gpu_handover,
         cache_dir=args.cache_dir,
         cache_bytes=args.cache_bytes,
         cache_disk_bytes=args.cache_disk_bytes,

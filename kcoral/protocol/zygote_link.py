@@ -34,10 +34,13 @@ class ZygoteCommand(StrEnum):
     """Broker -> zygote, ``{"cmd": ...}``; those that take ``worker`` are for that worker alone (one no
     longer current is ignored: sent before it exited, the command must not reach its successor)."""
 
-    KILL_WORKER = "kill_worker"  # kill the current worker and all it started (worker)
+    # Kill the current worker and all it started (worker); "next": "lazy": the worker after it makes
+    # no CUDA context ahead (for a program on other GPUs than the slot's).
+    KILL_WORKER = "kill_worker"
     FORK_SPARE = "fork_spare"  # the worker has a program: fork its successor ahead, where it was lost
     # The broker has the worker's last result: kill it and all it started (``gpu_free`` where none of
-    # them holds a GPU device) and fork its successor (worker).
+    # them holds a GPU device) and fork its successor (worker); "gpu": whether the program took its
+    # GPU lease (the slot makes its next spares' CUDA contexts ahead only while its programs do).
     RETIRE_WORKER = "retire_worker"
     STOP = "stop"  # kill every worker and exit
 
@@ -47,15 +50,18 @@ class ZygoteEvent(StrEnum):
 
     READY = "ready"  # pid (inside its sandbox), slot, eager_cuda: the zygote serves
     FORKED = "forked"  # worker, pid: the slot's current worker; only it is given programs
-    GPU_FREE = "gpu_free"  # worker: retired, and none of its processes holds a GPU device
+    # worker: retired, and none of its processes holds a GPU device, or ("teardown": true, with
+    # --gpu-handover quiet) none of them can run code any more, while its context is torn down.
+    GPU_FREE = "gpu_free"
     SPARE_DISCARDED = "spare_discarded"  # worker: a spare changed while it waited; killed unannounced
     EXITED = "exited"  # the fields of WorkerExit: the worker and everything it started are dead
     ALIVE = "alive"  # once a second: the zygote still watches its slot
 
 
-def zygote_command_line(command: ZygoteCommand, worker: str | None = None) -> bytes:
-    """One command as the zygote reads it."""
-    return (json.dumps({"cmd": command.value, **({"worker": worker} if worker is not None else {})}) + "\n").encode()
+def zygote_command_line(command: ZygoteCommand, worker: str | None = None, **fields: Any) -> bytes:
+    """One command as the zygote reads it (``fields``: the command's own, such as ``next``)."""
+    body = {"cmd": command.value, **({"worker": worker} if worker is not None else {}), **fields}
+    return (json.dumps(body) + "\n").encode()
 
 
 def zygote_event_line(event: ZygoteEvent, **fields: Any) -> bytes:
@@ -76,6 +82,11 @@ class ZygoteSettings:
     limits: dict[str, int] = field(default_factory=dict)  # per worker, by kcoral.worker.limits' names
     gpu_nodes: dict[int, str] | None = None  # sandboxed: GPU index -> node; workers confine to theirs
     sandboxed: bool = False  # in a sandbox of the slot's own (its IPC and user namespaces)
+    # "eager": workers on a real GPU make their CUDA context as soon as forked; "lazy": the program.
+    cuda_context: str = "lazy"
+    # "exit": a worker with a CUDA context holds the GPU lease until it has exited; "quiet": until
+    # none of its processes can run code (its context may still be torn down).
+    gpu_handover: str = "exit"
 
     def to_argv(self) -> list[str]:
         argv = [
@@ -98,6 +109,7 @@ class ZygoteSettings:
             argv.append("--sandboxed")
         if self.gpu_nodes is not None:
             argv += ["--gpu-nodes", json.dumps({str(index): node for index, node in sorted(self.gpu_nodes.items())})]
+        argv += ["--cuda-context", self.cuda_context, "--gpu-handover", self.gpu_handover]
         return argv
 
     @classmethod
@@ -113,6 +125,8 @@ class ZygoteSettings:
         parser.add_argument("--limits", default="{}", help="JSON map of resource limits")
         parser.add_argument("--gpu-nodes", default=None, help="JSON map: GPU index -> device node (sandboxed)")
         parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own")
+        parser.add_argument("--cuda-context", choices=("eager", "lazy"), default="lazy")
+        parser.add_argument("--gpu-handover", choices=("exit", "quiet"), default="exit")
         args = parser.parse_args(argv)
         return cls(
             connect=args.connect,
@@ -126,6 +140,8 @@ class ZygoteSettings:
             if args.gpu_nodes is None
             else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
             sandboxed=args.sandboxed,
+            cuda_context=args.cuda_context,
+            gpu_handover=args.gpu_handover,
         )
 
 

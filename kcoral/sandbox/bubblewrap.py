@@ -85,9 +85,8 @@ SANDBOX_ENV: Final[Mapping[str, str]] = {
     "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     "PYTHONDONTWRITEBYTECODE": "1",
 }
-# Variables taken from the caller's environment when present. KCORAL_EAGER_CUDA is the zygote's
-# own switch (see kcoral.worker.zygote), set by the operator on the broker's environment.
-INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH", "KCORAL_EAGER_CUDA")
+# Variables taken from the caller's environment when present.
+INHERITED_ENV: Final = ("PATH", "LANG", "PYTHONPATH")
 # The operator's settings of the collective libraries, such as NCCL_NVLS_ENABLE=0 where NVLink
 # multicast must stay off: programs that use several GPUs get them as the broker has them.
 INHERITED_ENV_PREFIXES: Final = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")

@@ -24,7 +24,6 @@ from kcoral.worker import confinement, limits, processes
 from kcoral.worker.state import reseed_generators
 
 EXIT_WORKER_CRASHED = 70
-EAGER_CUDA_ENV = "KCORAL_EAGER_CUDA"
 PARENT_DEATH_SIGNAL = signal.SIGUSR2
 NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
 FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: closed
@@ -44,6 +43,10 @@ class Child:
     done_at: float | None = None  # when the broker said it had its last result: now it only exits
     # The write end of its go pipe, until the zygote announces it: only then does it say READY.
     go: int | None = None
+    eager: bool = False  # it makes its CUDA context as soon as it is forked, before READY
+    # Killed holding a GPU device: the zygote watches for the moment none of its processes can run
+    # code any more (see Zygote.check_quiet), when the lease may go back before the exit is through.
+    quiet_watch: bool = False
 
 
 def let_go(child: Child) -> None:
@@ -87,7 +90,8 @@ def become_worker(
     """In the forked child: set the process up and run the worker loop; never returns.
 
     ``go`` is the read end of the pipe on which the zygote announces it (see Zygote); the worker
-    closes it before any program runs."""
+    closes it before any program runs. ``eager_cuda``: make the CUDA context of the slot's GPU at
+    once, while it waits for its turn, so that its program does not wait for the context."""
     code = EXIT_WORKER_CRASHED
     try:
         close_inherited_descriptors(keep=go)
@@ -113,10 +117,6 @@ def become_worker(
         os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's indices are then the broker's
         if settings.gpu is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(settings.gpu)
-        if eager_cuda:
-            os.environ[EAGER_CUDA_ENV] = "1"
-        else:
-            os.environ.pop(EAGER_CUDA_ENV, None)
         # Fresh seeds: a forked worker would otherwise draw the same "random" numbers as every
         # other worker of its slot, all having inherited the zygote's generator states.
         reseed_generators()
@@ -132,6 +132,7 @@ def become_worker(
                 workspace=settings.workspace,
                 max_programs=settings.max_programs,
                 go_fd=FIRST_INHERITED_FD,
+                eager_cuda=eager_cuda and settings.gpu is not None,
             )
         )
     except BaseException:
@@ -172,11 +173,8 @@ class SpareState:
         )
 
 
-def eager_cuda_wanted(gpu: int | None, environ: dict[str, str] | os._Environ[str]) -> bool:
-    """Whether this slot's workers should create their CUDA context while idle.
-
-    Only for a slot with a real GPU, and only when ``KCORAL_EAGER_CUDA=1`` is in the zygote's
-    environment: a worker with a context can run programs on its own GPU alone (see
-    ``kcoral.worker.worker``), so hosts that serve programs on several GPUs leave it off.
-    """
-    return gpu is not None and environ.get(EAGER_CUDA_ENV) == "1" and NVIDIA_CONTROL_DEVICE.exists()
+def eager_cuda_possible(gpu: int | None) -> bool:
+    """Whether a worker of this slot can make its CUDA context while idle: only on a real GPU
+    (the broker asks for it on slots with one; a worker with a context can run programs on its
+    own GPU alone, see ``kcoral.worker.state.cuda_view_mismatch``)."""
+    return gpu is not None and NVIDIA_CONTROL_DEVICE.exists()

@@ -176,6 +176,31 @@ def descendants(root: int, most: int | None = None, spare: frozenset[int] | set[
     return found
 
 
+def past_user_code(pid: int) -> bool:
+    """Whether no thread of process ``pid`` can run code of its own again: each one has left its
+    address space (the kernel drops it early on a thread's way out, so a killed process gets here
+    before its descriptors are closed), or the process is gone. False where a thread cannot be
+    read. Only meaningful for a process that was killed: a live one always has its address space.
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status", "rb") as handle:
+                # The Vm* lines are there exactly while the thread has an address space.
+                if b"\nVmSize:" in handle.read():
+                    return False
+        except FileNotFoundError:
+            continue  # that thread is gone
+        except OSError:
+            return False
+    return True
+
+
 def namespace_pid(pid: int) -> int | None:
     """The pid that process ``pid`` has in its own pid namespace (inside a sandbox), or None."""
     try:

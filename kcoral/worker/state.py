@@ -256,5 +256,5 @@ def cuda_view_mismatch(gpu_ids: list[int]) -> str | None:
         return None
     return (
         f"this worker's CUDA context was created for GPU(s) [{seen}] and cannot serve a program "
-        f"on [{wanted}]; start the broker without KCORAL_EAGER_CUDA=1 to run programs on other GPU sets"
+        f"on [{wanted}]; the broker gives such programs a worker without one (or start it with --cuda-context lazy)"
     )

@@ -59,6 +59,9 @@ class WorkerSettings:
     # A pipe from the zygote: the worker says READY only once it is readable (see Zygote). None:
     # at once (a worker started on its own).
     go_fd: int | None = None
+    # Make the CUDA context of the slot's GPU before READY (and, for a spare forked ahead, while
+    # the program before it runs): the program then finds it made.
+    eager_cuda: bool = False
 
 
 @dataclass
@@ -197,11 +200,14 @@ def program_claims() -> dict[str, Any]:
 def run_worker(settings: WorkerSettings) -> int:
     """The worker's main loop; returns the process exit code."""
     started_at = time.time()
-    if os.environ.get("KCORAL_EAGER_CUDA") == "1":
+    cuda_view: list[int] | None = None
+    if settings.eager_cuda and settings.gpu is not None:
         # A sandboxed worker confines itself to its slot's GPU first: the context is made there.
-        if settings.gpu is not None and confinement.confine((settings.gpu,)) is None:
+        if confinement.confine((settings.gpu,)) is None:
             os.environ["CUDA_VISIBLE_DEVICES"] = confinement.visible_devices((settings.gpu,))
-        _create_cuda_context()
+        if _create_cuda_context():
+            cuda_view = [settings.gpu]  # the only GPU it can serve now (see state.cuda_view_mismatch)
+    context_at = time.time()
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
@@ -215,7 +221,10 @@ def run_worker(settings: WorkerSettings) -> int:
             socket.close(linger=0)
             context.term()
             return 0
-    ready = protocol.message(protocol.READY, {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu})
+    ready_body: dict[str, Any] = {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu}
+    if cuda_view is not None:
+        ready_body["gpu_view"] = cuda_view
+    ready = protocol.message(protocol.READY, ready_body)
     socket.send_multipart(ready)
     ready_at = time.time()
     if settings.gpu is not None:
@@ -265,6 +274,7 @@ def run_worker(settings: WorkerSettings) -> int:
                 "retire_reason": outcome.retire_reason,
                 # Wall-clock times, for measuring how fast a slot gets a fresh worker.
                 "started_at": started_at,
+                "context_at": context_at,  # its CUDA context made (eager), or started_at's moment
                 "ready_at": ready_at,
                 "finished_at": time.time(),
                 "confinement_ms": confinement.confinement_ms(),  # None: not sandboxed with GPUs
@@ -286,19 +296,22 @@ def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
     return None if gpus is None else list(gpus)
 
 
-def _create_cuda_context() -> None:
-    """Create the CUDA context while idle, so that the first program does not wait for it.
+def _create_cuda_context() -> bool:
+    """Create the CUDA context while idle, so that the program does not wait for it; whether one
+    was made.
 
-    The zygote asks for this (``KCORAL_EAGER_CUDA=1``) only on slots with a real GPU. A failure
-    here is not fatal: the program then meets the same error, with its own traceback.
+    The zygote asks for this (``--cuda-context eager``, the default) only on slots with a real GPU.
+    A failure here is not fatal: the program then meets the same error, with its own traceback.
     """
     torch = sys.modules.get("torch")
     if torch is None:
-        return
+        return False
     try:
         torch.zeros(1, device="cuda")
     except Exception as exc:
         print(f"kcoral worker: no CUDA context while idle: {describe_exception(exc)}", file=sys.stderr, flush=True)
+        return False
+    return bool(torch.cuda.is_initialized())
 
 
 def _map_blob(path: Path) -> memoryview:

@@ -5,8 +5,12 @@ costs milliseconds. The zygote never initialises CUDA, opens no zmq context and 
 so each forked worker begins clean and makes its own (see :mod:`kcoral.worker.children`).
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
-commands on stdin (``kill`` the current worker and all it started, ``busy``, ``spare``, ``stop``;
-``kill`` and ``spare`` name their worker, and one named that is no longer current is ignored),
+commands on stdin (:class:`~kcoral.protocol.zygote_link.ZygoteCommand`: ``kill_worker`` the current
+worker and all it started, ``fork_spare``, ``retire_worker``, ``stop``; ``kill_worker`` and
+``retire_worker`` name their worker, and one named that is no longer current is ignored;
+``kill_worker`` with ``"next": "lazy"`` makes the worker after it one without a CUDA context, for a
+program on other GPUs than the slot's; ``retire_worker`` says with ``gpu`` whether the program
+took its GPU lease),
 events on stdout (``ready``, ``forked``, ``gpu_free``, ``exited``, and ``alive`` once a second, by
 which the supervisor knows that the zygote still watches). An ``exited`` event carries the
 worker's ``returncode`` or ``signal``, ``leftovers_killed``, ``reason`` (why the zygote killed it: a
@@ -20,7 +24,14 @@ zygote reports comes from the kernel: a worker's exit from its pidfd and ``waitp
 processes from the process table. The next worker is forked ahead but announced only once the
 previous one has exited, everything the program started is dead and the workspace is wiped, so no
 program ever shares a slot with the one before it. The GPU lease goes back at ``exited``, or at
-``gpu_free`` where the finished worker and all it started were killed holding no GPU device.
+``gpu_free`` where the finished worker and all it started were killed holding no GPU device (or,
+with ``--gpu-handover quiet``, once none of them can run code any more: see :meth:`Zygote.check_quiet`).
+
+On a slot with a real GPU every worker makes its CUDA context as soon as it is forked
+(``--cuda-context eager``, the default), the spare forked ahead too: a fresh program then finds
+its context made, and the next worker's context is made while the program before it runs. A
+slot whose last program did not take the GPU lease forks its next spares without one (such
+programs then cost no context, made and torn down, on the GPU) until a program takes it again.
 
 Nothing a worker starts outlives it: the zygote is a child subreaper, so whatever a worker leaves
 behind (``setsid`` children, double-forked daemons) is re-parented to the zygote, and a child made
@@ -61,7 +72,7 @@ from kcoral.worker.children import (
     become_worker,
     close_go,
     close_inherited_descriptors,
-    eager_cuda_wanted,
+    eager_cuda_possible,
     let_go,
 )
 
@@ -81,6 +92,9 @@ WORKSPACE_SAMPLE_FACTOR = 20
 # (2.5 s at the bound on that loaded VM, during which the zygote answers nothing) and the inodes
 # one program can take; more fails like the byte quota.
 MAX_WORKSPACE_ENTRIES = 100_000
+# With --gpu-handover quiet: how often a killed worker that holds a GPU device is looked at until
+# none of its processes can run code (a /proc read per task, tens of microseconds).
+QUIET_POLL_SECONDS = 0.002
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
 READ_CHUNK_BYTES = 65536
 
@@ -98,9 +112,10 @@ class Zygote:
 
     The ``current`` worker is the one the broker knows (announced with ``forked``). The next one is
     forked ahead as a ``spare`` as soon as the current one is announced (again at command ``busy``,
-    the current one has a program, where that spare was lost), or, where workers make their CUDA
-    context while idle (which would load the GPU under the running program), when the broker has
-    its last result (command ``spare``). A spare is unannounced and says nothing to the broker
+    the current one has a program, where that spare was lost, and at ``retire_worker``, the broker
+    has its last result); where workers make their CUDA context while idle, the spare makes its own
+    then, beside the current one (what that does to a measurement on the GPU:
+    ``benchmarks/RESULTS.md``). A spare is unannounced and says nothing to the broker
     until the zygote writes to its go pipe, so the broker gives it nothing. Only once the current
     worker has exited, everything it started is dead and the workspace is wiped is the spare
     checked (see :meth:`fit_to_serve`) and announced.
@@ -113,7 +128,9 @@ class Zygote:
 
     def __init__(self, settings: ZygoteSettings, *, eager_cuda: bool = False, private_ipc: bool = False) -> None:
         self.settings = settings
-        self.eager_cuda = eager_cuda  # workers create their CUDA context before READY (real GPUs only)
+        self.eager_cuda = eager_cuda  # workers create their CUDA context as soon as forked (real GPUs only)
+        self.lazy_next = False  # the broker asked for a worker without a CUDA context next
+        self.programs_use_gpu = True  # the last program (as the broker saw it) took the GPU lease
         self.private_ipc = private_ipc  # the IPC namespace is the slot's own: System V objects go between programs
         # The watchdog samples a program's processes only where a limit needs it.
         self.watched = any(settings.limits.get(name) for name in ("processes", "memory_bytes", "workspace_bytes"))
@@ -205,7 +222,10 @@ class Zygote:
         """The spare's pid: the one process below us that is not the running program's."""
         return {self.spare.pid} if self.spare is not None else set()
 
-    def fork_worker(self) -> Child:
+    def fork_worker(self, eager: bool | None = None) -> Child:
+        """Fork a worker, eager (its CUDA context made at once) as the slot's setting and its last
+        program say unless told."""
+        eager = self.eager_cuda and self.programs_use_gpu if eager is None else eager
         self.generation += 1
         # Unguessable and never reused: inside a sandbox every zygote is pid 2, and the broker only
         # takes work-carrying READYs from the identity this zygote reports as forked.
@@ -217,7 +237,7 @@ class Zygote:
         go_read, go_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=self.eager_cuda)
+            become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=eager)
         os.close(go_read)
         try:
             pidfd: int | None = os.pidfd_open(pid)
@@ -227,7 +247,7 @@ class Zygote:
         for which, value in limits.rlimit_values(self.settings.limits).items():
             with contextlib.suppress(OSError):
                 resource.prlimit(pid, which, value)
-        child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write)
+        child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write, eager=eager)
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, child)
         return child
@@ -235,11 +255,15 @@ class Zygote:
     def announce_next(self) -> None:
         """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
         spare, self.spare = self.spare, None
+        lazy, self.lazy_next = self.lazy_next, False
+        if spare is not None and lazy and spare.eager:
+            self.discard(spare)  # its context serves the slot's GPU alone; the program needs others
+            spare = None
         if spare is not None and not self.fit_to_serve(spare):
             emit(ZygoteEvent.SPARE_DISCARDED, worker=spare.identity)
             self.discard(spare)
             spare = None
-        child = spare if spare is not None else self.fork_worker()
+        child = spare if spare is not None else self.fork_worker(eager=False if lazy else None)
         self.current = child
         let_go(child)
         self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
@@ -248,9 +272,9 @@ class Zygote:
 
     def fork_spare_ahead(self) -> None:
         """Fork the next worker now, while the current one waits for or runs its program: then no
-        fork is under way when the current one exits (see the class's docstring). Not where workers
-        make a CUDA context while idle: a spare's would load the GPU under the running program."""
-        if self.spare is None and self.current is not None and not self.stopping and not self.eager_cuda:
+        fork (and, on a GPU slot, no CUDA context) is under way when the current one exits (see the
+        class's docstring)."""
+        if self.spare is None and self.current is not None and not self.stopping:
             self.spare = self.fork_worker()
 
     def fit_to_serve(self, spare: Child) -> bool:
@@ -283,6 +307,8 @@ class Zygote:
         timeout = max(0.0, self.next_alive - now)
         if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.watched):
             timeout = min(timeout, WATCH_INTERVAL_SECONDS)
+        if self.current is not None and self.current.quiet_watch:
+            timeout = min(timeout, QUIET_POLL_SECONDS)
         for key, _ in self.selector.select(timeout=timeout):
             if key.data == "commands":
                 self.read_commands()
@@ -293,6 +319,8 @@ class Zygote:
                 self.on_exit(child)
         now = time.monotonic()
         current = self.current
+        if current is not None and current.quiet_watch:
+            self.check_quiet(current)
         if current is not None and current.done_at is not None and now - current.done_at > RETIRE_GRACE_SECONDS:
             self.kill(current, f"it did not exit within {RETIRE_GRACE_SECONDS:g} s of its last result")
         if current is not None and self.watched and now >= self.next_watch:
@@ -411,6 +439,24 @@ class Zygote:
             return  # the walk stopped at its bound: some processes went unread, so the exit decides
         if not any(confinement.holds_gpu_device(pid) is not False for pid in [child.pid, *below]):
             emit(ZygoteEvent.GPU_FREE, worker=child.identity)
+        elif self.settings.gpu_handover == "quiet":
+            child.quiet_watch = True
+            self.check_quiet(child)
+
+    def check_quiet(self, child: Child) -> None:
+        """With ``--gpu-handover quiet``: say ``gpu_free`` (with ``teardown``) for a killed worker that
+        still holds a GPU device once none of its processes can run code: each of their threads has
+        left its address space (the kernel drops it on the way out, before it closes the process's
+        descriptors, where the driver tears the CUDA context down). A process without an address
+        space can push no more work to the GPU; work it pushed before may still be on the GPU until
+        the teardown is through, and its GPU memory is freed only then."""
+        below = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())
+        if len(below) > KILL_WALK_MOST:
+            return  # some processes went unread: the exit decides
+        if all(processes.past_user_code(pid) for pid in [child.pid, *below]):
+            child.quiet_watch = False
+            after_ms = round((time.monotonic() - (child.done_at or 0.0)) * 1000, 2)
+            emit(ZygoteEvent.GPU_FREE, worker=child.identity, teardown=True, after_ms=after_ms)
 
     def read_commands(self) -> None:
         try:
@@ -428,28 +474,42 @@ class Zygote:
                 command = json.loads(line)
             except ValueError:
                 continue
-            try:
-                what = ZygoteCommand(str(command.get("cmd")))
-            except ValueError:
-                continue
-            # A command that names a worker is for that one alone: sent before it exited, it must
-            # not end the successor the broker may already have given a program.
-            named = command.get("worker")
-            if named is not None and (self.current is None or named != self.current.identity):
-                continue
-            if what is ZygoteCommand.KILL_WORKER and self.current is not None:
-                self.current.kill_requested = True
-                self.kill(self.current, "")
-            elif what is ZygoteCommand.FORK_SPARE:
-                self.fork_spare_ahead()  # where the one forked ahead was lost (killed, say)
-            elif what is ZygoteCommand.RETIRE_WORKER and self.current is not None and not self.stopping:
-                if self.current.done_at is None:
-                    self.current.done_at = time.monotonic()
-                    self.end_without_gpu(self.current)
-                if self.spare is None:
-                    self.spare = self.fork_worker()
-            elif what is ZygoteCommand.STOP:
-                self.stop("")
+            if isinstance(command, dict):
+                self.on_command(command)
+
+    def on_command(self, command: dict[str, Any]) -> None:
+        """One command from the broker (see the module's docstring)."""
+        try:
+            what = ZygoteCommand(str(command.get("cmd")))
+        except ValueError:
+            return
+        # A command that names a worker is for that one alone: sent before it exited, it must
+        # not end the successor the broker may already have given a program.
+        named = command.get("worker")
+        if named is not None and (self.current is None or named != self.current.identity):
+            return
+        if what is ZygoteCommand.KILL_WORKER and self.current is not None:
+            if command.get("next") == "lazy" and self.eager_cuda:
+                self.lazy_next = True
+            self.current.kill_requested = True
+            self.kill(self.current, "")
+        elif what is ZygoteCommand.FORK_SPARE:
+            self.fork_spare_ahead()  # where the one forked ahead was lost (killed, say)
+        elif what is ZygoteCommand.RETIRE_WORKER and self.current is not None and not self.stopping:
+            if isinstance(command.get("gpu"), bool):
+                self.programs_use_gpu = command["gpu"]
+            if self.current.done_at is None:
+                self.current.done_at = time.monotonic()
+                self.end_without_gpu(self.current)
+            spare = self.spare
+            if spare is not None and self.programs_use_gpu and self.eager_cuda and not spare.eager:
+                # Forked ahead without a context while programs did not use the GPU: this one did.
+                self.discard(spare)
+                self.spare = None
+            if self.spare is None:
+                self.spare = self.fork_worker()
+        elif what is ZygoteCommand.STOP:
+            self.stop("")
 
     def stop(self, reason: str) -> None:
         self.stopping = True
@@ -476,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     close_inherited_descriptors()
     zygote = Zygote(
         settings,
-        eager_cuda=eager_cuda_wanted(settings.gpu, os.environ),
+        eager_cuda=settings.cuda_context == "eager" and eager_cuda_possible(settings.gpu),
         # Without a sandbox, one of our own where we may make it (root): else the host's, shared.
         private_ipc=settings.sandboxed or workspace.private_ipc_namespace(),
     )
