@@ -17,7 +17,7 @@ import pytest
 
 from kcoral import Client, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
-from tests.conftest import RunningBroker, start_broker
+from tests.helpers import RunningBroker, start_broker
 
 torch = pytest.importorskip("torch")
 
