@@ -25,6 +25,17 @@ if ! compgen -G ".whl/*.whl" >/dev/null && compgen -G "../.whl/*.whl" >/dev/null
 fi
 install_kcoral
 
+if [ -n "${QUICK:-}" ]; then
+    # The check after a fix: this tree's defaults with benchmark() beside them, the floor, the
+    # side-stream candidate with contexts made ahead and without, the fresh-context GPU test.
+    step gpu-programs 75 "$PY" benchmarks/gpu_programs.py --sequential 60 --concurrent 40 --in-flight 8 \
+        --config defaults . "" --timing defaults --timing-runs 3 --floor-rounds 1 --json "$OUT/gpu_programs.json"
+    step side-stream-ab 40 "$PY" benchmarks/gpu_side_stream_ab.py
+    step test-fresh-gpu 30 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA \
+        "tests/gpu/test_fresh_gpu.py::test_each_program_finds_a_fresh_context_made_ahead_on_its_gpu"
+    exit 0
+fi
+
 CONFIGS=()
 if [ -n "$BASE" ]; then
     CONFIGS+=(--config main "$BASE" "")
@@ -33,9 +44,9 @@ CONFIGS+=(--config defaults . "")
 CONFIGS+=(--config quiet . "--gpu-handover quiet")
 CONFIGS+=(--config slots8-quiet . "--workers-per-gpu 8 --gpu-handover quiet")
 
-step gpu-programs 300 "$PY" benchmarks/gpu_programs.py --sequential 60 --concurrent 40 --in-flight 8 \
+step gpu-programs 260 "$PY" benchmarks/gpu_programs.py --sequential 60 --concurrent 40 --in-flight 8 \
     "${CONFIGS[@]}" ${BASE:+--timing main} --timing defaults --timing defaults+churn --timing quiet \
     --timing-runs 3 --floor-rounds 3 --json "$OUT/gpu_programs.json"
 
-step test-fresh-gpu 110 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA \
+step test-fresh-gpu 100 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/gpu/test_fresh_gpu.py tests/gpu/test_slot_gpu.py tests/gpu/test_service_gpu.py

@@ -307,7 +307,10 @@ def _create_cuda_context() -> bool:
     if torch is None:
         return False
     try:
-        torch.zeros(1, device="cuda")
+        # An allocation makes the context and launches nothing: no kernel of a spare's runs beside
+        # another program's measurement (NVML counts a process that ran one as busy on the GPU),
+        # and none is loaded before the program's timer registers CUPTI.
+        torch.empty(1, device="cuda")
     except Exception as exc:
         print(f"kcoral worker: no CUDA context while idle: {describe_exception(exc)}", file=sys.stderr, flush=True)
         return False

@@ -94,7 +94,7 @@ def test_each_program_finds_a_fresh_context_made_ahead_on_its_gpu(eager: Running
         out = result.results["out"]
         assert out["made_ahead"] and out["devices"] == 1 and out["sum"] == float(1 << 20)
         assert result.gpu_ids == [0]
-    assert len({r.results["out"]["pid"] for r in results}) == PROGRAMS  # a fresh process each time
+    # A fresh process each time (pids repeat inside a sandbox's own pid namespace; identities never).
     assert len({r.worker["identity"] for r in results}) == PROGRAMS
     # Made ahead: the worker's context was ready before its program was sent.
     assert all(r.worker["context_at"] <= r.worker["ready_at"] for r in results)
