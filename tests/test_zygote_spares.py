@@ -1,6 +1,6 @@
 """The zygote's choice of its next worker, without forking: where workers make their CUDA context
 ahead (eager), a spare is made with one while the slot's programs use the GPU, without one once a
-program did not, and the broker's ``kill`` with ``next: lazy`` gets a worker without a context."""
+program did not, and the broker's ``kill_worker`` with ``next: lazy`` gets a worker without a context."""
 
 from __future__ import annotations
 
@@ -9,22 +9,23 @@ from typing import Any
 
 import pytest
 
+from kcoral.protocol.zygote_link import ZygoteSettings
 from kcoral.worker import zygote as zygote_module
 from kcoral.worker.children import Child
 from kcoral.worker.processes import ProgressBoard
-from kcoral.worker.zygote import Zygote, ZygoteSettings
+from kcoral.worker.zygote import Zygote
 
 
 class FakeZygote(Zygote):
     """A zygote whose forks, kills and checks are records."""
 
-    def __init__(self, settings: ZygoteSettings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: ZygoteSettings, *, eager_cuda: bool) -> None:
+        super().__init__(settings, eager_cuda=eager_cuda)
         self.forks: list[bool] = []
         self.discarded: list[Child] = []
 
     def fork_worker(self, eager: bool | None = None) -> Child:
-        made = self.settings.eager_cuda and self.programs_use_gpu if eager is None else eager
+        made = self.eager_cuda and self.programs_use_gpu if eager is None else eager
         self.forks.append(made)
         return Child(1000 + len(self.forks), f"w-{len(self.forks)}", None, 0.0, ProgressBoard(), eager=made)
 
@@ -48,7 +49,7 @@ class FakeZygote(Zygote):
 def slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeZygote:
     monkeypatch.setattr(zygote_module, "emit", lambda event, **fields: None)
     monkeypatch.setattr(zygote_module, "let_go", lambda child: None)
-    return FakeZygote(ZygoteSettings(connect="ipc://x", slot=0, gpu=0, workspace=tmp_path, eager_cuda=True))
+    return FakeZygote(ZygoteSettings(connect="ipc://x", slot=0, gpu=0, workspace=tmp_path), eager_cuda=True)
 
 
 def test_a_spare_is_forked_ahead_with_its_context_while_programs_use_the_gpu(slot: FakeZygote) -> None:
@@ -60,14 +61,14 @@ def test_a_spare_is_forked_ahead_with_its_context_while_programs_use_the_gpu(slo
 def test_a_program_that_did_not_use_the_gpu_makes_the_next_spares_without_a_context(slot: FakeZygote) -> None:
     slot.announce_next()
     assert slot.current is not None
-    slot.command(cmd="spare", worker=slot.current.identity, gpu=False)
+    slot.command(cmd="retire_worker", worker=slot.current.identity, gpu=False)
     slot.current, slot.spare = slot.spare, None  # the worker exited; its spare serves
     slot.fork_spare_ahead()
     assert slot.forks[-1] is False
     lazy = slot.spare
     assert lazy is not None and not lazy.eager
     slot.current = Child(1, "busy-one", None, 0.0, ProgressBoard(), eager=True)
-    slot.command(cmd="spare", worker="busy-one", gpu=True)  # this one used it: the lazy spare goes
+    slot.command(cmd="retire_worker", worker="busy-one", gpu=True)  # this one used it: the lazy spare goes
     assert slot.discarded == [lazy] and slot.spare is not None and slot.spare.eager
 
 
@@ -75,7 +76,7 @@ def test_kill_with_next_lazy_gives_a_worker_without_a_context(slot: FakeZygote) 
     slot.announce_next()
     assert slot.current is not None and slot.spare is not None
     eager_spare = slot.spare
-    slot.command(cmd="kill", worker=slot.current.identity, next="lazy")
+    slot.command(cmd="kill_worker", worker=slot.current.identity, next="lazy")
     assert slot.lazy_next
     slot.current = None  # its exit was seen
     slot.announce_next()
