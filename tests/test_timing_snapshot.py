@@ -67,3 +67,20 @@ def test_the_device_name_is_a_reference_taken_at_arm() -> None:
 
     assert state.trusted.device_name is torch.cuda.get_device_name
     assert "torch.cuda.get_device_name" in state.snapshot.entries
+
+
+def test_compare_checks_again_after_its_untimed_calls_and_looks_nothing_up_after() -> None:
+    from kcoral.timing import compare
+
+    source = Path(compare.__file__).read_text()
+    assert "torch.cuda.get_device_name" not in source
+    tree = ast.parse(source)
+    holder = next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_check" for c in ast.walk(node))
+    )
+    names = [(c.lineno, ast.unparse(c.func)) for c in _calls(holder)]
+    last_check = max(line for line, name in names if name == "fail_on_changes")
+    assert max(line for line, name in names if name == "_check") < last_check

@@ -289,6 +289,11 @@ def _run(
     if flush_changed:
         raise ExecutionError("integrity", "the timer's L2 flush buffer was changed during the measurement")
     checked = {side.name: _check(torch, trusted, side, check, spent) for side in sides}
+    if any(checked.values()):
+        # The checks called the user's functions again: whatever they changed then is seen now,
+        # before anything of the report is made (from here on no user code runs).
+        with spent.step("trusted_state"):
+            fail_on_changes(state, "while the outputs were checked")
     if not done.unfiltered:
         raise ExecutionError("unavailable", "the calls launched no GPU work in any round: there is nothing to compare")
     clock = _clock_report(sides, max_clock, floor_mhz, settings.max_left_out)
@@ -345,7 +350,7 @@ def _run(
         "conditions_after": gpu_conditions(nvml),
         "method": timers[0].method,
         "flush_l2": settings.timing.flush_l2,
-        "gpu": str(torch.cuda.get_device_name(device)),
+        "gpu": str(trusted.device_name(device)) if trusted.device_name is not None else None,
         "device_index": int(device) if isinstance(device, int) else None,
         "inputs": plan.describe(),
         "integrity": integrity,
