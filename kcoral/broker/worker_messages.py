@@ -88,7 +88,13 @@ class WorkerMessages:
     def on_message(self, frames: list[zmq.Frame]) -> None:
         identity = bytes(frames[0].buffer)
         command = bytes(frames[2].buffer[:COMMAND_BYTES_MOST]) if len(frames) > 2 else b""
-        if command != protocol.RESULT:  # dropped before decoding: PROGRESS_PER_SECOND, MAX_CONTROL_MESSAGE_BYTES
+        worker_identity, separator, _ = identity.partition(protocol.RESULT_IDENTITY_SEPARATOR)
+        if separator:
+            # A worker's connection for its RESULT (protocol.RESULT_IDENTITY_SEPARATOR): that alone.
+            if command != protocol.RESULT:
+                return
+            identity = worker_identity
+        elif command != protocol.RESULT:  # dropped before decoding: PROGRESS_PER_SECOND, MAX_CONTROL_MESSAGE_BYTES
             if not self.progress_limit.allow(identity) or slots.oversized_control(command, frames[1:]):
                 return
         sender = self.pool.workers.get(identity)

@@ -138,6 +138,7 @@ from kcoral.protocol.worker_link import (
     READY,
     RELEASE,
     RESULT,
+    RESULT_IDENTITY_SEPARATOR,
     WORKER_COMMAND_NAMES,
     WORKER_COMMANDS,
 )
@@ -218,6 +219,7 @@ __all__ = [
     "RELEASE",
     "REQUEST_ERROR_KEYS",
     "RESULT",
+    "RESULT_IDENTITY_SEPARATOR",
     "RESULT_KEYS",
     "TARGET",
     "VERSION",

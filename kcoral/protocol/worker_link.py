@@ -24,6 +24,12 @@ PROGRESS: Final = b"\x25"  # worker -> broker: body: index of the instruction no
 RESULT: Final = b"\x26"  # worker -> broker: the outcome, with its data frames
 DISCONNECT: Final = b"\x27"  # reserved: the broker never sends it (it ends a worker through the zygote)
 
+# A worker sends each RESULT on a socket of its own (a fresh connection per program), whose identity
+# is the worker's, this separator and the program's number: output and PROGRESS, which a program
+# can flood through the worker's own socket (it runs in the worker's process), neither delay the
+# RESULT behind them nor interleave with its frames. The broker takes only RESULT from it.
+RESULT_IDENTITY_SEPARATOR: Final = b"|result-"
+
 WORKER_COMMANDS: Final = frozenset({READY, LEASE, RELEASE, PROGRESS, RESULT})
 
 WORKER_COMMAND_NAMES: Final = command_names(

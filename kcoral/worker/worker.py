@@ -46,6 +46,11 @@ OUTPUT_ALWAYS_FITS_BYTES = 4 << 20
 STRING_HEADERS_BYTES = 16
 MAX_NAMES_REPORTED = 20  # leftover threads and processes named in a result
 MAX_NAME_CHARS = 100  # a thread's name is the program's to choose, of any length
+# The instruction now running goes to the broker at most this often (the broker reads at most 50
+# PROGRESS a second of a worker, kcoral.broker.worker_messages): a program of many instructions
+# does not flood the socket its RESULT used to share. The zygote's board has every index.
+PROGRESS_INTERVAL_SECONDS = 0.02
+RESULT_LINGER_MS = 10_000  # a RESULT must reach the broker before the worker goes on or exits
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,7 @@ def run_worker(settings: WorkerSettings) -> int:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
-    socket.setsockopt(zmq.LINGER, 10_000)  # results must reach the broker before exit
+    socket.setsockopt(zmq.LINGER, 0)  # results go on sockets of their own (_send_result)
     socket.connect(settings.connect)
     if settings.go_fd is not None:
         # A spare waits here, connected, while the program before it runs. EOF: the zygote is gone.
@@ -283,13 +288,33 @@ def run_worker(settings: WorkerSettings) -> int:
                 **outcome.notes,
             }
             packed, frames = bounded_result(outcome.body, outcome.frames)
-            socket.send_multipart([protocol.VERSION, protocol.RESULT, packed, *frames], copy=False)
+            _send_result(settings, done, [protocol.VERSION, protocol.RESULT, packed, *frames])
             done += 1
             if not reusable:
                 return 0
     finally:
-        socket.close()
+        # What is still queued here is output and PROGRESS (the RESULT went on its own socket):
+        # a program's flood of them is dropped, not waited for.
+        socket.close(linger=0)
         context.term()
+
+
+def _send_result(settings: WorkerSettings, number: int, message: list[Any]) -> None:
+    """Send a RESULT on a connection of its own (protocol.RESULT_IDENTITY_SEPARATOR), and wait
+    until it is delivered: a program's threads that flood the worker's socket can neither delay it
+    nor interleave with it (a zmq socket is not for two threads), nor kill the worker before it is
+    out. Its own context, so that ending it waits for nothing the program's threads hold."""
+    context = zmq.Context()
+    result = context.socket(zmq.DEALER)
+    identity = settings.identity.encode() + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
+    result.setsockopt(zmq.IDENTITY, identity)
+    result.setsockopt(zmq.LINGER, RESULT_LINGER_MS)
+    result.connect(settings.connect)
+    try:
+        result.send_multipart(message, copy=False)
+    finally:
+        result.close()
+        context.term()  # returns once the RESULT is out (or RESULT_LINGER_MS is up)
 
 
 def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
@@ -375,8 +400,14 @@ def _execute_message(
 
         lock = threading.Lock()  # the output follower's thread shares the socket
 
+        sent_at = [0.0]
+
         def progress(index: int) -> None:
             processes.note_progress(index)  # survives the worker, unlike a message still queued
+            now = time.monotonic()
+            if now - sent_at[0] < PROGRESS_INTERVAL_SECONDS:
+                return  # a program of many short instructions: its index is on the board all the same
+            sent_at[0] = now
             with lock:
                 socket.send_multipart(protocol.message(protocol.PROGRESS, {"request_id": request_id, "index": index}))
 
