@@ -21,10 +21,13 @@ no capabilities, and a root filesystem assembled from scratch:
   ``CAP_SYS_ADMIN`` and ``CAP_SETPCAP`` in its own user namespace, never on the host;
 * an empty read-only ``/tmp``;
 * ``/dev/shm`` (POSIX shared memory and semaphores, torch's shared tensors): a private host
-  directory of the slot, mounted both there and at ``/workspace/.shm``.
+  directory of the slot, mounted both there and at ``/workspace/.shm``;
+* ``/dev/mqueue``, the mqueue filesystem of the slot's IPC namespace, whose POSIX message queues
+  the zygote removes between programs.
 
-Every place a program can write is thus under ``/workspace``: the zygote's wipe of it before each
-fork resets all that one program could leave for the next, shared memory included. ``.shm`` being
+Every place a program can write is thus under ``/workspace`` (or ``/dev/mqueue``, emptied with
+it): the zygote's wipe of it before each fork resets all that one program could leave for the
+next, shared memory included. ``.shm`` being
 a mount point inside, the wipe empties it but cannot remove it, so ``/dev/shm`` never dangles. Its
 host directory lies outside the workspace, so no program can swap it for a symlink that the next
 sandbox's bind would follow.
@@ -72,6 +75,7 @@ __all__ = [
 WORKSPACE: Final = Path("/workspace")
 BLOBS: Final = Path("/blobs")
 SHARED_MEMORY: Final = WORKSPACE / ".shm"
+MESSAGE_QUEUES: Final = Path("/dev/mqueue")  # the slot's IPC namespace's mqueue filesystem
 
 # Fixed environment inside; every writable location points into the slot's workspace.
 SANDBOX_ENV: Final[Mapping[str, str]] = {
@@ -327,6 +331,9 @@ def sandbox_argv(spec: SandboxSpec, bwrap: Path, environ: Mapping[str, str] | No
     if spec.shared_memory_dir is not None:
         shm = str(_real(spec.shared_memory_dir))
         argv += ["--bind", shm, str(SHARED_MEMORY), "--bind", shm, "/dev/shm"]
+    # The IPC namespace's POSIX message queues, where the zygote finds and removes them between
+    # programs (kcoral.worker.workspace.MESSAGE_QUEUES); a mount of its own, so still writable.
+    argv += ["--mqueue", str(MESSAGE_QUEUES)]
     argv += ["--remount-ro", "/dev"]
     ipc_dir = Path(os.path.abspath(spec.ipc_dir))
     argv += ["--ro-bind", str(_real(ipc_dir)), str(ipc_dir)]

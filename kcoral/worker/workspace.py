@@ -22,8 +22,11 @@ one) the zygote removes them all with the files (:func:`remove_ipc_objects`), an
 segments no process has attached against the memory limit (:func:`detached_segment_bytes`). Inside
 bubblewrap the keys a program adds to its user, user-session or session keyring (the slot's: its
 user namespace is the sandbox's, and every worker inherits the zygote's session keyring) are
-cleared too (:func:`clear_keyrings`). POSIX message queues stay: listing them needs the mqueue
-filesystem mounted, which needs privileges a zygote may lack.
+cleared too (:func:`clear_keyrings`), and so are its POSIX message queues, which live in the IPC
+namespace too: the sandbox mounts the namespace's mqueue filesystem at :data:`MESSAGE_QUEUES`,
+where the zygote removes every queue (:func:`remove_message_queues`). Without a sandbox they stay:
+listing them needs an mqueue filesystem of the slot's own namespace mounted, and the one at
+``/dev/mqueue`` there is the host's.
 """
 
 from __future__ import annotations
@@ -177,6 +180,27 @@ def remove_ipc_objects() -> int:
     return removed
 
 
+# Where the sandbox mounts the mqueue filesystem of the slot's IPC namespace (bwrap --mqueue).
+MESSAGE_QUEUES = Path("/dev/mqueue")
+
+
+def remove_message_queues(directory: Path = MESSAGE_QUEUES) -> int:
+    """Remove every POSIX message queue in the mqueue filesystem at ``directory``; how many went.
+    Only inside the sandbox, whose mount is the slot's own namespace's."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0  # not mounted here
+    for name in names:
+        try:
+            os.unlink(directory / name)
+        except OSError:
+            continue
+        removed += 1
+    return removed
+
+
 def detached_segment_bytes() -> int:
     """The memory of this IPC namespace's shared memory segments that no process has attached.
     (An attached one is in the Pss_Shmem of the processes that attached it.)"""
@@ -185,11 +209,13 @@ def detached_segment_bytes() -> int:
 
 __all__ = [
     "ENTRY_BYTES",
+    "MESSAGE_QUEUES",
     "WorkspaceUsage",
     "clear_keyrings",
     "detached_segment_bytes",
     "private_ipc_namespace",
     "remove_ipc_objects",
+    "remove_message_queues",
     "remove_tree",
     "usage",
     "wipe",

@@ -208,12 +208,14 @@ class Zygote:
         return 0
 
     def clear_slot(self) -> None:
-        """Empty what a program can leave in the slot: its workspace and System V IPC objects."""
+        """Empty what a program can leave in the slot: its workspace, System V IPC objects and
+        (inside the sandbox) keys and POSIX message queues."""
         workspace.wipe(self.settings.workspace)
         if self.private_ipc:
             workspace.remove_ipc_objects()
         if self.settings.sandboxed:
             workspace.clear_keyrings()
+            workspace.remove_message_queues()
 
     def children(self) -> list[Child]:
         return [c for c in (self.current, self.spare) if c is not None]
