@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--requests 300] [--in-flight 8] [--json out.json] [--plot out.png]
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
+    python benchmarks/overhead.py --phases [--requests 300] [--broker-flags "..."] [--json out.json]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
 constant program in a loop, (3) the same with a module upload and a function call, (4) programs per
@@ -10,6 +11,14 @@ second with 8 in flight through one AsyncClient. Every program runs in a fresh w
 ``--curve-cost`` instead measures what CurveZMQ costs: two brokers, one without keys and one with
 ``--curve-secret-key`` (keys made for the run), the constant program's p50 and the rate with 8 in
 flight on each, alternating between them round by round so that both see the same machine.
+
+``--phases`` instead finds where a constant program's milliseconds go, one program at a time, from
+the wall-clock times that the client, the broker (``result.timeline``) and the worker
+(``result.worker``) record on the same host: client to broker, admission, queue, broker to worker,
+the worker before, during and after the program's own execution (``elapsed_ms``), the result to
+the broker, and the FINAL to the client. What comes after the answer (the worker's exit, the
+zygote's wipe of the slot, the next worker's fork and READY) is off the path, unless the next
+program finds no worker READY: then it shows in the queue row.
 """
 
 from __future__ import annotations
@@ -118,6 +127,59 @@ async def in_flight(url: str, count: int, width: int, keys: ClientKeys | None = 
     return count / elapsed, latencies
 
 
+PHASES = (
+    ("client -> broker (EXECUTE read)", "t_send", "received_at"),
+    ("admission, blobs (queued)", "received_at", "queued_at"),
+    ("queue (sent to a worker)", "queued_at", "started_at"),
+    ("broker -> worker (PROGRAM read)", "started_at", "program_at"),
+    ("worker: program read and executed", "program_at", "executed_at"),
+    ("  of which execute_program (elapsed_ms)", "execute_start", "execute_end"),
+    ("worker: result map", "executed_at", "finished_at"),
+    ("worker -> broker (packed, sent, RESULT read)", "finished_at", "result_at"),
+    ("broker -> client (FINAL read)", "result_at", "t_recv"),
+)
+
+
+def phases(url: str, count: int) -> dict[str, list[float]]:
+    """Per-phase milliseconds of ``count`` constant programs, one at a time (see the docstring)."""
+    program = constant_program()
+    samples: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
+    samples["total"] = []
+    with Client(url) as client:
+        for _ in range(5):
+            client.execute(program)
+        for i in range(count):
+            t_send = time.time()
+            result = client.execute(program)
+            t_recv = time.time()
+            assert result.completed, result.error
+            worker = result.worker
+            points = {"t_send": t_send, "t_recv": t_recv, **result.timeline}
+            for name in ("program_at", "executed_at", "finished_at"):
+                if isinstance(worker.get(name), (int, float)):
+                    points[name] = float(worker[name])
+            if not {"program_at", "executed_at", "finished_at", "received_at", "result_at"} <= points.keys():
+                raise RuntimeError("this broker reports no timeline (an older tree?)")
+            points["execute_start"], points["execute_end"] = 0.0, result.elapsed_ms / 1000
+            for name, start, end in PHASES:
+                samples[name].append((points[end] - points[start]) * 1000)
+            samples["total"].append((t_recv - t_send) * 1000)
+            progress("phases", i + 1, count)
+    return samples
+
+
+def print_phases(samples: dict[str, list[float]], flags: str) -> None:
+    rows = []
+    for name, values in samples.items():
+        stats = percentiles(values)
+        rows.append([name, stats["p50_ms"], float(np.percentile(values, 90)), stats["mean_ms"]])
+    print_table(
+        f"Where a constant program's time goes, one at a time ({machine()}, broker: {flags})",
+        ["phase", "p50 ms", "p90 ms", "mean ms"],
+        rows,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
@@ -127,9 +189,16 @@ def main() -> int:
     parser.add_argument("--plot", default=None, help="PNG with the latency CDFs")
     parser.add_argument("--curve-cost", action="store_true", help="compare brokers with and without CurveZMQ")
     parser.add_argument("--rounds", type=int, default=3, help="alternations per broker with --curve-cost")
+    parser.add_argument("--phases", action="store_true", help="where a constant program's milliseconds go")
     args = parser.parse_args()
     if args.curve_cost:
         return curve_cost(args)
+    if args.phases:
+        with broker(*args.broker_flags.split()) as (url, _):
+            samples = phases(url, args.requests)
+        print_phases(samples, args.broker_flags)
+        save_json(args.json, {"phases": samples, "machine": machine(), "broker_flags": args.broker_flags})
+        return 0
 
     zmq_samples = zmq_round_trips(args.requests * 10)
     with broker(*args.broker_flags.split()) as (url, _):

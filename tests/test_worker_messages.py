@@ -140,6 +140,9 @@ def test_a_lease_is_held_until_the_worker_exits_and_its_result_becomes_the_final
             (final,) = t.broker.finished
             assert final["ok"] and final["result"]["status"] == "COMPLETED"
             assert final["result"]["gpu_ids"] == [0] and final["result"]["lease_wait_ms"] >= 0
+            timeline = final["result"]["timeline"]  # the broker's own times, wall clock, in order
+            at = [timeline[name] for name in ("received_at", "queued_at", "started_at", "result_at")]
+            assert at == sorted(at) and abs(at[-1] - time.time()) < 5
             assert holder(t.leases) == "r1"  # the worker may still be on the GPU until it exits
             t.side.on_exit(WorkerExit(0, WORKER, 0, None))
             assert holder(t.leases) is None and not t.side.held_leases

@@ -69,6 +69,19 @@ class Request:
     def __post_init__(self) -> None:
         self.owner = self.owner or self.client
 
+    def timeline(self, result_at: float) -> dict[str, float]:
+        """The result's ``timeline``: wall-clock times (seconds since the epoch) of the program's way
+        through the broker, from its monotonic records: EXECUTE read, queued, sent to its worker,
+        RESULT read (``result_at``). For finding where a program's milliseconds go."""
+        offset = time.time() - time.monotonic()
+        points = (
+            ("received_at", self.received_at),
+            ("queued_at", self.queued_at),
+            ("started_at", self.started_at),
+            ("result_at", result_at),
+        )
+        return {name: round(at + offset, 6) for name, at in points if at}
+
     def describe(self, now: float) -> dict[str, Any]:
         """A row of health's programs in flight."""
         return {

@@ -215,7 +215,9 @@ class WorkerMessages:
         result = protocol.with_broker_fields(
             body, request_id=request.id, queue_ms=queue_ms, gpu_ids=request.gpu_ids, node_id=self.port.node_id
         )
-        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, time.monotonic())
+        now = time.monotonic()
+        result["lease_wait_ms"], result["lease_held_ms"] = slots.lease_times(request.lease_times, now)
+        result["timeline"] = request.timeline(now)
         result["provenance"] = self._provenance(request, body.get("provenance"))
         self.port.finish(request, protocol.final_body(request.id, result), data)
         self.port.dispatch()

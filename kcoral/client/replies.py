@@ -72,7 +72,17 @@ def build_result(result: dict[str, Any], frames: list[Any]) -> ProgramResult:
         worker=dict(result.get("worker") or {}),
         node_id=str(result["node_id"]) if result.get("node_id") is not None else None,
         provenance=dict(result["provenance"]) if isinstance(result.get("provenance"), dict) else {},
+        timeline=_times(result.get("timeline")),
     )
+
+
+def _times(value: Any) -> dict[str, float]:
+    """A map of names to times, leaving out what is not one (the timeline is informative)."""
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:

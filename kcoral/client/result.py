@@ -82,6 +82,10 @@ class ProgramResult:
     node_id: str | None = None  # the host that ran the program, when it came through a router
     # Where, on what and under which conditions it ran (docs/protocol.md, section 8, "Provenance").
     provenance: dict[str, Any] = field(default_factory=dict)
+    # Wall-clock times (s since the epoch) of its way through the broker: received_at, queued_at,
+    # started_at (sent to its worker), result_at; with ``worker["program_at"]`` and
+    # ``worker["finished_at"]``, where its time went (benchmarks/overhead.py --phases).
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def completed(self) -> bool:

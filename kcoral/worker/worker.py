@@ -251,6 +251,7 @@ def run_worker(settings: WorkerSettings) -> int:
                 continue
             silent_since = time.monotonic()
             raw = socket.recv_multipart(copy=False)
+            program_at = time.time()
             try:
                 command, body, data = protocol.split_message([f.buffer for f in raw])
             except protocol.WireError:
@@ -269,6 +270,7 @@ def run_worker(settings: WorkerSettings) -> int:
                     retire=True,
                     retire_reason="the worker failed",
                 )
+            executed_at = time.time()
             processes.note_progress(None)
             reusable = not outcome.retire and (settings.max_programs == 0 or done + 1 < settings.max_programs)
             outcome.body["worker"] = {
@@ -281,6 +283,8 @@ def run_worker(settings: WorkerSettings) -> int:
                 "started_at": started_at,
                 "context_at": context_at,  # its CUDA context made (eager), or started_at's moment
                 "ready_at": ready_at,
+                "program_at": program_at,  # its PROGRAM read
+                "executed_at": executed_at,  # the program executed, its result not yet built
                 "finished_at": time.time(),
                 "confinement_ms": confinement.confinement_ms(),  # None: not sandboxed with GPUs
                 # The only GPUs this worker can serve again (None: any), see kcoral.worker.confinement.
