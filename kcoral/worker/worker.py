@@ -101,8 +101,9 @@ def execute_program(
     stderr stay exactly what it wrote.
 
     Unless this is the worker's ``last`` program, the process-wide state the program may change
-    is put back afterwards (see :mod:`kcoral.worker.state`). A last program skips that: the worker
-    exits anyway, and the snapshot would touch (and so copy, after the fork) megabytes of pages.
+    is put back afterwards (see :mod:`kcoral.worker.state`) and its directory removed. A last
+    program skips both: the worker exits anyway (the zygote wipes the workspace after the exit),
+    and the snapshot would touch (and so copy, after the fork) megabytes of pages.
     """
     request_id = protocol.check_id(request.get("request_id"), "request_id")
     options = request.get("options") or {}
@@ -189,7 +190,12 @@ def execute_program(
     finally:
         if saved is not None:
             saved.restore(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if not last:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        # A last program's directory goes with the slot's workspace, which the zygote wipes after
+        # this process has exited and before the next worker is announced: off the program's path
+        # (removing its five directories here took 5 to 25 ms before the RESULT on the loaded
+        # 2-core VM, benchmarks/RESULTS.md, "Where a constant program's time goes").
 
 
 def program_claims() -> dict[str, Any]:
