@@ -3,6 +3,7 @@
     python benchmarks/overhead.py [--requests 300] [--in-flight 8] [--json out.json] [--plot out.png]
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
     python benchmarks/overhead.py --phases [--requests 300] [--broker-flags "..."] [--json out.json]
+    python benchmarks/overhead.py --against DIR [--requests 300] [--rounds 5]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
 constant program in a loop, (3) the same with a module upload and a function call, (4) programs per
@@ -19,6 +20,10 @@ the worker before, during and after the program's own execution (``elapsed_ms``)
 the broker, and the FINAL to the client. What comes after the answer (the worker's exit, the
 zygote's wipe of the slot, the next worker's fork and READY) is off the path, unless the next
 program finds no worker READY: then it shows in the queue row.
+
+``--against DIR`` compares two versions as ``--curve-cost`` does two brokers: one of this checkout and one of the
+checkout at DIR (a second worktree at an older commit, say), alternated round by round, each
+measured through the same client.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -188,11 +194,16 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="PNG with the latency CDFs")
     parser.add_argument("--curve-cost", action="store_true", help="compare brokers with and without CurveZMQ")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations per broker with --curve-cost")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per broker with --curve-cost or --against")
+    parser.add_argument(
+        "--against", type=Path, default=None, metavar="DIR", help="compare with a broker run from the checkout at DIR"
+    )
     parser.add_argument("--phases", action="store_true", help="where a constant program's milliseconds go")
     args = parser.parse_args()
     if args.curve_cost:
         return curve_cost(args)
+    if args.against is not None:
+        return against(args)
     if args.phases:
         with broker(*args.broker_flags.split()) as (url, _):
             samples = phases(url, args.requests)
@@ -251,19 +262,8 @@ def curve_cost(args: argparse.Namespace) -> int:
             str(keys_dir / "clients"),
         ]
         flags = args.broker_flags.split()
-        samples: dict[str, list[float]] = {"plain": [], "curve": []}
-        rates: dict[str, list[float]] = {"plain": [], "curve": []}
-        per_round = max(1, args.requests // args.rounds)
         with broker(*flags) as (plain_url, _), broker(*flags, *curve_flags, keys=keys) as (curve_url, _):
-            for _ in range(args.rounds):
-                for name, url, key in (("plain", plain_url, None), ("curve", curve_url, keys)):
-                    samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key)
-                    rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key))
-                    rates[name].append(rate)
-    rows = []
-    for name in ("plain", "curve"):
-        stats = percentiles(samples[name])
-        rows.append([name, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], float(np.median(rates[name]))])
+            rows, rates = alternate(args, {"plain": (plain_url, None), "curve": (curve_url, keys)})
     print_table(
         f"CurveZMQ cost ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
         ["broker", "n", "constant p50 ms", "p99 ms", f"programs/s, {args.in_flight} in flight (median)"],
@@ -273,6 +273,43 @@ def curve_cost(args: argparse.Namespace) -> int:
     print(f"\ncurve / plain: p50 {p50_ratio:.3f}x, {args.in_flight} in flight {rate_ratio:.3f}x")
     save_json(args.json, {"rows": rows, "rates": rates, "machine": machine()})
     return 0
+
+
+def against(args: argparse.Namespace) -> int:
+    """The constant program's p50 and the rate with N in flight, on this checkout and on ``--against``."""
+    flags = args.broker_flags.split()
+    with broker(*flags, checkout=args.against.resolve()) as (other_url, _), broker(*flags) as (this_url, _):
+        rows, rates = alternate(args, {"other": (other_url, None), "this": (this_url, None)})
+    print_table(
+        f"This checkout against {args.against} ({machine()}, broker: {args.broker_flags}, "
+        f"{args.rounds} alternating rounds)",
+        ["broker", "n", "constant p50 ms", "p99 ms", f"programs/s, {args.in_flight} in flight (median)"],
+        rows,
+    )
+    p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
+    print(f"\nthis / other: p50 {p50_ratio:.3f}x, {args.in_flight} in flight {rate_ratio:.3f}x")
+    save_json(args.json, {"rows": rows, "rates": rates, "machine": machine(), "against": str(args.against)})
+    return 0
+
+
+def alternate(
+    args: argparse.Namespace, brokers: dict[str, tuple[str, ClientKeys | None]]
+) -> tuple[list[list[Any]], dict[str, list[float]]]:
+    """``args.rounds`` rounds, each measuring every broker in turn: rows of (name, n, p50, p99,
+    median rate) and the rates of each round."""
+    samples: dict[str, list[float]] = {name: [] for name in brokers}
+    rates: dict[str, list[float]] = {name: [] for name in brokers}
+    per_round = max(1, args.requests // args.rounds)
+    for _ in range(args.rounds):
+        for name, (url, key) in brokers.items():
+            samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key)
+            rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key))
+            rates[name].append(rate)
+    rows: list[list[Any]] = []
+    for name in brokers:
+        stats = percentiles(samples[name])
+        rows.append([name, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], float(np.median(rates[name]))])
+    return rows, rates
 
 
 if __name__ == "__main__":
