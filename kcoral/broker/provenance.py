@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -25,7 +23,7 @@ from typing import Any, Final
 import structlog
 
 from kcoral import protocol
-from kcoral.broker.target import NVIDIA_SMI_TIMEOUT_SECONDS, TargetInfo
+from kcoral.broker.target import TargetInfo, nvidia_smi
 
 log = structlog.get_logger("kcoral.broker")
 
@@ -104,18 +102,8 @@ def _text(value: Any) -> str:
 
 def driver_from_smi() -> str | None:
     """The driver's version from nvidia-smi, where NVML is not importable here."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=NVIDIA_SMI_TIMEOUT_SECONDS,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    out = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+    if out is None:
         return None
     lines = out.strip().splitlines()
     return lines[0].strip() if lines else None

@@ -75,19 +75,22 @@ class TargetInfo:
 NVIDIA_SMI_QUERY = "index,pci.bus_id,uuid,name,compute_cap,memory.total"
 
 
-def list_gpus() -> list[GpuInfo]:
+def nvidia_smi(*arguments: str) -> str | None:
+    """What ``nvidia-smi ARGUMENTS`` prints, or None where it is missing or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return None
     try:
-        out = subprocess.run(
-            [smi, f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=NVIDIA_SMI_TIMEOUT_SECONDS,
-            check=True,
+        return subprocess.run(
+            [smi, *arguments], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_SECONDS, check=True
         ).stdout
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def list_gpus() -> list[GpuInfo]:
+    out = nvidia_smi(f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv,noheader,nounits")
+    if out is None:
         return []
     return number_gpus(out, gpu_nodes(read_information_files()))
 

@@ -169,12 +169,4 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-__all__ = [
-    "EXIT_CONFIG",
-    "EXIT_OK",
-    "EXIT_UNAVAILABLE",
-    "EXIT_USAGE",
-    "build_parser",
-    "configure_logging",
-    "main",
-]
+__all__ = ["build_parser", "configure_logging", "main"]

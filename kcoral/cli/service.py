@@ -11,7 +11,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypedDict, cast
 
 import structlog
 
@@ -47,24 +47,18 @@ class SharedSettings(TypedDict):
     metrics_listen: str | None
 
 
+# The flag a shared field is read from, where the flag's name is not the field's.
+FLAG_OF_FIELD: Final = {"queue_timeout_seconds": "queue_timeout", "orphan_grace_seconds": "orphan_grace"}
+
+
 def shared_settings(args: argparse.Namespace, security: ServerSecurity | None) -> SharedSettings:
     """The settings both services take from the flags they share (kcoral.cli.arguments)."""
     from kcoral.service.fairness import ORPHAN_GRACE_SECONDS
 
-    return SharedSettings(
-        listen=args.listen,
-        max_queued=args.max_queued,
-        queue_timeout_seconds=args.queue_timeout,
-        max_request_bytes=args.max_request_bytes,
-        max_upload_bytes=args.max_upload_bytes,
-        max_upload_bytes_per_client=args.max_upload_bytes_per_client,
-        max_frame_bytes=args.max_frame_bytes,
-        security=security,
-        insecure_listen_any=args.insecure_listen_any,
-        max_queued_per_client=args.max_queued_per_client,
-        orphan_grace_seconds=args.orphan_grace or ORPHAN_GRACE_SECONDS,
-        metrics_listen=args.metrics_listen,
-    )
+    values: dict[str, Any] = {"security": security, "orphan_grace_seconds": args.orphan_grace or ORPHAN_GRACE_SECONDS}
+    for name in SharedSettings.__annotations__.keys() - values.keys():
+        values[name] = getattr(args, FLAG_OF_FIELD.get(name, name))
+    return cast(SharedSettings, values)
 
 
 def install_event_loop_policy() -> None:

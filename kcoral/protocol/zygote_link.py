@@ -127,21 +127,16 @@ class ZygoteSettings:
         parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own")
         parser.add_argument("--cuda-context", choices=("eager", "lazy"), default="lazy")
         parser.add_argument("--gpu-handover", choices=("exit", "quiet"), default="exit")
-        args = parser.parse_args(argv)
+        # Each flag's dest is the field's name: only the JSON and list values need reading.
+        args = vars(parser.parse_args(argv))
+        nodes = args["gpu_nodes"]
         return cls(
-            connect=args.connect,
-            slot=args.slot,
-            workspace=args.workspace,
-            gpu=args.gpu,
-            max_programs=args.max_programs,
-            preload=tuple(p for p in args.preload.split(",") if p),
-            limits={str(k): int(v) for k, v in json.loads(args.limits).items()},
-            gpu_nodes=None
-            if args.gpu_nodes is None
-            else {int(k): str(v) for k, v in json.loads(args.gpu_nodes).items()},
-            sandboxed=args.sandboxed,
-            cuda_context=args.cuda_context,
-            gpu_handover=args.gpu_handover,
+            **{
+                **args,
+                "preload": tuple(p for p in args["preload"].split(",") if p),
+                "limits": {str(k): int(v) for k, v in json.loads(args["limits"]).items()},
+                "gpu_nodes": None if nodes is None else {int(k): str(v) for k, v in json.loads(nodes).items()},
+            }
         )
 
 

@@ -157,7 +157,7 @@ def measure(
     else:
         plan = InputPlan(MODE_SAME, [call_args], inputs)
     try:
-        run = _run(fn, torch, state, settings, timer, plan, check if defences else None, keep_outputs, spent)
+        run = _run(fn, _Setup(torch, state, settings, timer, plan, check if defences else None, keep_outputs, spent))
     except ExecutionError:
         raise
     except Exception as exc:
@@ -174,37 +174,39 @@ def measure(
     return run
 
 
-def _run(
-    fn: Callable[..., Any],
-    torch: Any,
-    state: ArmedState,
-    settings: BenchmarkConfig,
-    timer: CuptiTimer | EventTimer,
-    plan: InputPlan,
-    check: OutputCheck | None,
-    keep_outputs: int,
-    spent: DefenceTime,
-) -> BenchmarkRun:
+@dataclass(frozen=True)
+class _Setup:
+    """What a measurement was set up with, before its calibration."""
+
+    torch: Any
+    state: ArmedState
+    settings: BenchmarkConfig
+    timer: CuptiTimer | EventTimer
+    plan: InputPlan
+    check: OutputCheck | None  # None also where the defences are off
+    keep_outputs: int
+    spent: DefenceTime
+
+
+def _run(fn: Callable[..., Any], setup: _Setup) -> BenchmarkRun:
     """Calibrate (:mod:`kcoral.timing.calibrate`), measure the counted calls, report."""
+    torch, state, settings, timer, plan = setup.torch, setup.state, setup.settings, setup.timer, setup.plan
     device = torch.cuda.current_device()
     nvml = Nvml.open(torch, device)
     cool = wait_for_cool_gpu(nvml, settings, state.trusted)
     conditions_before = gpu_conditions(nvml)
-    ready = calibrate(state.trusted, torch, fn, plan, timer, nvml, settings, spent)
+    ready = calibrate(state.trusted, torch, fn, plan, timer, nvml, settings, setup.spent)
     warmup = warm_up(ready, settings)
     repeat = (
         settings.repeat
         if settings.repeat is not None
         else count_from_budget(settings.repeat_ms, ready.per_call_ms, minimum=1)
     )
-    counted = _measure(torch, state, settings, timer, plan, check, keep_outputs, spent, ready, nvml, repeat)
+    counted = _measure(setup, ready, nvml, repeat)
     report = _report(
-        torch,
+        setup,
         device,
         nvml,
-        settings,
-        timer,
-        plan,
         ready,
         counted,
         warmup=warmup,
@@ -227,21 +229,11 @@ class _Counted:
     watch_details: dict[str, Any]
 
 
-def _measure(
-    torch: Any,
-    state: ArmedState,
-    settings: BenchmarkConfig,
-    timer: CuptiTimer | EventTimer,
-    plan: InputPlan,
-    check: OutputCheck | None,
-    keep_outputs: int,
-    spent: DefenceTime,
-    ready: Calibration,
-    nvml: Nvml | None,
-    repeat: int,
-) -> _Counted:
+def _measure(setup: _Setup, ready: Calibration, nvml: Nvml | None, repeat: int) -> _Counted:
     """The counted calls, watched by the defences (unless ``defences=False``): the trusted state,
     the environment, the kept outputs checked again afterwards."""
+    torch, state, settings, timer, plan = setup.torch, setup.state, setup.settings, setup.timer, setup.plan
+    check, keep_outputs, spent = setup.check, setup.keep_outputs, setup.spent
     trusted = state.trusted
     defences = settings.defences
     runner = ready.runner
@@ -302,12 +294,9 @@ def _measure(
 
 
 def _report(
-    torch: Any,
+    setup: _Setup,
     device: Any,
     nvml: Nvml | None,
-    settings: BenchmarkConfig,
-    timer: CuptiTimer | EventTimer,
-    plan: InputPlan,
     ready: Calibration,
     counted: _Counted,
     *,
@@ -317,6 +306,7 @@ def _report(
     conditions_before: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The report of the counted calls (the keys of ``benchmark``'s docstring)."""
+    settings, timer, plan = setup.settings, setup.timer, setup.plan
     measurement, before, after = counted.measurement, counted.before, counted.after
     reasons = list(counted.reasons)
     hold_cycles, unheld = ready.hold_cycles, ready.unheld
