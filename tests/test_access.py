@@ -140,7 +140,17 @@ def test_with_keys_only_an_authorized_client_is_served(
     try:
         raw = raw_dealer(context, broker.url)
         _, message = execute_message(constant_program())
-        raw.send_multipart(message)
+        # Between two refused handshakes the DEALER has no pipe to queue on, and a blocking send
+        # would wait for a peer that never comes (it hung the test for its whole timeout once).
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                raw.send_multipart(message, flags=zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
         assert read(raw, 1.0) is None
     finally:
         context.destroy(linger=0)

@@ -483,9 +483,11 @@ def test_host_gap() -> None:
     assert host_gap_reason(None, 0.3) is None
 
 
-def test_threads_and_processes_the_program_left_running_are_reasons(armed_state: trust.ArmedState) -> None:
+def test_threads_and_processes_the_program_left_running_are_reasons() -> None:
+    # The threads at the program's start, as arm_in_worker takes them: the process-wide arm may
+    # be older than a thread another test in this process left running.
     stop = threading.Event()
-    watch = EnvironmentWatch.start(None, threading.enumerate, armed_state.threads_at_arm, 0)
+    watch = EnvironmentWatch.start(None, threading.enumerate, frozenset(threading.enumerate()), 0)
     helper = threading.Thread(target=stop.wait, name="kernel-helper", daemon=True)
     helper.start()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
