@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -57,12 +56,19 @@ from typing import Any, Final
 
 import structlog
 
+from kcoral.broker.incoming import (
+    DIGEST_PATTERN,
+    BlobAssembly,
+    BlobDigestMismatch,
+    PreparedBlob,
+    as_bytes_view,
+    check_digest,
+)
+
 __all__ = ("BlobAssembly", "BlobDigestMismatch", "BlobStore", "BlobStoreSettings")
 
 _log = structlog.get_logger(__name__)
 
-# A sha256 digest as it travels on the wire: lowercase hex only, so one blob has one name.
-_DIGEST_PATTERN: Final = re.compile(r"[0-9a-f]{64}")
 # Temporary files start with a dot so that they can never be mistaken for a digest.
 _TEMP_PREFIX: Final = ".incoming-"
 _EMPTY_DIGEST: Final = hashlib.sha256(b"").hexdigest()
@@ -92,86 +98,6 @@ class BlobStoreSettings:
             raise ValueError("memory_blob_divisor and hash_chunk_bytes must be positive")
 
 
-@dataclass(frozen=True)
-class PreparedBlob:
-    """A blob whose digest was checked, and maybe written to a temporary disk file."""
-
-    digest: str
-    data: bytes | bytearray | memoryview
-    view: memoryview
-    temp_file: Path | None
-
-
-class BlobAssembly:
-    """A blob that arrives in pieces (a client's upload in frames of bounded size), in order.
-
-    The pieces go to a temporary file of the disk tier as they come (to memory where the store
-    has none), hashed on the way, so a blob of any size holds at most one piece in memory.
-    :meth:`BlobStore.begin` makes one, :meth:`add` takes each piece, and
-    :meth:`BlobStore.finish` files the complete blob; :meth:`discard` drops an unfinished one.
-    """
-
-    def __init__(self, digest: str, size: int, temp_file: Path | None) -> None:
-        self.digest = digest
-        self.size = size
-        self.received = 0
-        self.temp_file = temp_file
-        self._hasher = hashlib.sha256()
-        self._memory = bytearray() if temp_file is None else None
-
-    @property
-    def complete(self) -> bool:
-        return self.received == self.size
-
-    def add(self, piece: bytes | bytearray | memoryview) -> None:
-        """Append the next piece; raises ValueError for one past the blob's size."""
-        view = _as_bytes_view(piece)
-        if self.received + view.nbytes > self.size:
-            raise ValueError(f"piece of {view.nbytes} bytes at {self.received} passes the blob's {self.size} bytes")
-        self._hasher.update(view)
-        if self._memory is not None:
-            self._memory += view
-        elif self.temp_file is not None:
-            with self.temp_file.open("ab") as file:
-                file.write(view)
-        self.received += view.nbytes
-
-    def hexdigest(self) -> str:
-        return self._hasher.hexdigest()
-
-    def memory(self) -> bytearray | None:
-        return self._memory
-
-    def discard(self) -> None:
-        """Forget an unfinished blob and its temporary file; idempotent."""
-        if self.temp_file is not None:
-            with contextlib.suppress(OSError):
-                self.temp_file.unlink()
-            self.temp_file = None
-        self._memory = None
-
-
-class BlobDigestMismatch(ValueError):
-    """Raised when the bytes given to :meth:`BlobStore.put` do not hash to the digest given."""
-
-
-def _check_digest(digest: object) -> str:
-    # Digests come from the network and name files on disk: refuse anything but 64 lowercase hex
-    # characters, which also rules out path separators and "..".
-    if not isinstance(digest, str) or _DIGEST_PATTERN.fullmatch(digest) is None:
-        raise ValueError(f"not a sha256 hex digest: {digest!r:.80}")
-    return digest
-
-
-def _as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(data)
-    if not view.c_contiguous:
-        # Rare (a strided view); hashing and writing need contiguous bytes, so copy once here.
-        view = memoryview(view.tobytes())
-    # Byte-level view of any format or shape (a zmq.Frame buffer, a numpy array) without copying.
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
 class BlobStore:
     """Blobs by sha256 digest in a memory LRU and an optional disk LRU; see the module docstring."""
 
@@ -199,11 +125,11 @@ class BlobStore:
     @staticmethod
     def digest_of(data: bytes | bytearray | memoryview) -> str:
         """Lowercase hex sha256 of ``data``, the name a blob is stored under."""
-        return hashlib.sha256(_as_bytes_view(data)).hexdigest()
+        return hashlib.sha256(as_bytes_view(data)).hexdigest()
 
     def has(self, digest: str) -> bool:
         """Whether the blob is stored in any tier; counts neither a hit nor a miss."""
-        _check_digest(digest)
+        check_digest(digest)
         return digest in self._memory or digest in self._disk
 
     def missing(self, digests: Iterable[str]) -> list[str]:
@@ -211,7 +137,7 @@ class BlobStore:
 
         Every digest is validated before any is counted, so a bad request changes no statistic.
         """
-        unique = list(dict.fromkeys(_check_digest(digest) for digest in digests))
+        unique = list(dict.fromkeys(check_digest(digest) for digest in digests))
         absent = [digest for digest in unique if digest not in self._memory and digest not in self._disk]
         self._misses += len(absent)
         self._hits += len(unique) - len(absent)
@@ -232,8 +158,8 @@ class BlobStore:
         """The slow half of :meth:`put`: hash, and write a temporary disk file. It touches none of
         the store's state, so the broker runs it in a thread for large uploads while its event
         loop keeps serving; :meth:`commit` (on the loop) then files the blob."""
-        _check_digest(digest)
-        view = _as_bytes_view(data)
+        check_digest(digest)
+        view = as_bytes_view(data)
         actual = hashlib.sha256(view).hexdigest()
         if actual != digest:
             raise BlobDigestMismatch(f"blob of {view.nbytes} bytes hashes to {actual}, not {digest}")
@@ -254,7 +180,7 @@ class BlobStore:
 
     def begin(self, digest: str, size: int) -> BlobAssembly:
         """A :class:`BlobAssembly` for ``digest``, a blob of ``size`` bytes to come in pieces."""
-        _check_digest(digest)
+        check_digest(digest)
         if size < 1:
             raise ValueError(f"a blob in pieces has at least 1 byte, not {size}")
         temp: Path | None = None
@@ -332,7 +258,7 @@ class BlobStore:
 
         A blob read from disk is put into memory when it is small enough for the memory tier.
         """
-        _check_digest(digest)
+        check_digest(digest)
         kept = self._memory.get(digest)
         if kept is not None:
             self._memory.move_to_end(digest)
@@ -367,7 +293,7 @@ class BlobStore:
         Workers read this file through a read-only mount; pin the blob for as long as they may.
         The file is hashed first if this process has not done so yet (once per file).
         """
-        _check_digest(digest)
+        check_digest(digest)
         if digest not in self._disk or self._disk_dir is None:
             return None
         path = self._disk_dir / digest
@@ -381,7 +307,7 @@ class BlobStore:
 
     def size_of(self, digest: str) -> int:
         """Size of the blob in bytes; raises KeyError when it is not stored."""
-        _check_digest(digest)
+        check_digest(digest)
         kept = self._memory.get(digest)
         if kept is not None:
             return len(kept)
@@ -392,7 +318,7 @@ class BlobStore:
 
         The blob need not be stored yet: the pin protects it from the moment it is put.
         """
-        _check_digest(digest)
+        check_digest(digest)
         self._pins.setdefault(digest, set()).add(owner)
         self._pins_by_owner.setdefault(owner, set()).add(digest)
 
@@ -510,7 +436,7 @@ class BlobStore:
                     # Left by a broker that stopped mid-write; this broker owns the directory.
                     self._remove_disk_file(Path(entry.path))
                     continue
-                if _DIGEST_PATTERN.fullmatch(entry.name) is None or not entry.is_file(follow_symlinks=False):
+                if DIGEST_PATTERN.fullmatch(entry.name) is None or not entry.is_file(follow_symlinks=False):
                     continue  # Not ours: leave it alone.
                 stat = entry.stat(follow_symlinks=False)
                 if stat.st_size == 0 and entry.name != _EMPTY_DIGEST:

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import structlog
 
 from kcoral import protocol
-from kcoral.broker.blobs import BlobDigestMismatch, BlobStore, PreparedBlob
+from kcoral.broker.blobs import BlobStore
+from kcoral.broker.incoming import BlobDigestMismatch, PreparedBlob
 from kcoral.broker.requests import Request, RequestState
 from kcoral.sandbox.bubblewrap import BLOBS as SANDBOX_BLOBS_DIR
 from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, declared_sizes, refuse_gpu_count

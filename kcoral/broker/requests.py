@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from kcoral import protocol
-from kcoral.broker.blobs import BlobAssembly
+from kcoral.broker.incoming import BlobAssembly
 
 
 class RequestState(StrEnum):

@@ -1,6 +1,7 @@
 """The zygote's children: how a forked child becomes a worker, and what the zygote keeps of each.
 
-:func:`become_worker` runs in the child right after the fork: it closes every descriptor it
+:func:`preload_for_workers` runs in the zygote before its first fork (what every worker would import,
+imported once); :func:`become_worker` runs in the child right after the fork: it closes every descriptor it
 inherited but the read end of its go pipe, takes a session of its own, dies with the zygote,
 resets signals, confines nothing yet (that comes with the program) and sets its limits and seeds,
 then runs the worker loop. The go pipe is how the zygote announces it (:func:`let_go`): a spare
@@ -12,14 +13,18 @@ compares it before it lets a spare serve.
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import os
 import resource
 import signal
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 from kcoral.protocol.zygote_link import ZygoteSettings
+from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, limits, processes
 from kcoral.worker.state import reseed_generators
 
@@ -27,6 +32,40 @@ EXIT_WORKER_CRASHED = 70
 PARENT_DEATH_SIGNAL = signal.SIGUSR2
 NVIDIA_CONTROL_DEVICE = Path("/dev/nvidiactl")
 FIRST_INHERITED_FD = 3  # descriptors from here on were inherited, not chosen: closed
+
+
+# Imported by the zygote so that no worker pays for them (see preload_for_workers).
+TIMER_MODULES = ("cupti.cupti", "pynvml")
+
+
+def preload_for_workers(preload: tuple[str, ...]) -> None:
+    """In the zygote, before the first fork: import what every worker would import (``preload``,
+    the worker, the timer's modules), arm the timer once and freeze the collector's view, so that
+    each worker starts with these pages shared and paid for."""
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # torch is optional on CPU-only hosts
+    importlib.import_module("kcoral.worker.worker")
+    if "numpy" in sys.modules:
+        # numpy loads numpy.random on first use; every worker reseeds it (and many programs
+        # use it), and importing it after the fork costs each worker about 10 ms.
+        importlib.import_module("numpy.random")
+    # What the timer arms with in every GPU worker before its program (kcoral.timing.trust):
+    # importing cupti-python after the fork cost each worker 54 to 77 ms on the H200, which
+    # held fresh workers to 15 a second. Importing loads the libraries and initialises no
+    # CUDA. Either may be missing (no gpu extra): the worker then reports why, as before.
+    for name in TIMER_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # ImportError, or a missing libcupti raised inside the import
+            continue
+    arm_in_zygote()  # once, for every worker (see kcoral.timing.trust.arm_in_zygote)
+    # Move everything imported so far out of the collector's sight: a worker's garbage
+    # collections then leave these pages alone, and they stay shared with the zygote.
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass

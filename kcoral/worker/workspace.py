@@ -13,7 +13,7 @@ sandboxes, and the zygote kills the worker and everything it started when a samp
 kernel quota would need a filesystem per slot (a size-limited tmpfs holds the files in RAM, and a
 loop device or project quotas need privileges the broker may not have). A program can therefore
 overshoot by what it writes between two samples; see
-:data:`kcoral.worker.zygote.WORKSPACE_SAMPLE_SECONDS`.
+:data:`kcoral.worker.watchdog.WORKSPACE_SAMPLE_SECONDS`.
 
 A program can also leave System V IPC objects (shared memory segments, semaphore sets, message
 queues): they outlive every process, and the next program could attach to them. Where the slot has

@@ -44,8 +44,6 @@ are not rlimits alone), and kills all of them when the worker ends.
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
 import json
 import os
 import resource
@@ -63,7 +61,6 @@ from kcoral.protocol.zygote_link import (
     worker_exit_fields,
     zygote_event_line,
 )
-from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, limits, processes, workspace
 from kcoral.worker.children import (
     PARENT_DEATH_SIGNAL,
@@ -74,7 +71,9 @@ from kcoral.worker.children import (
     close_inherited_descriptors,
     eager_cuda_possible,
     let_go,
+    preload_for_workers,
 )
+from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
 
 FAST_EXIT_SECONDS = 1.0
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
@@ -82,25 +81,11 @@ CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
 RETIRE_GRACE_SECONDS = 5.0  # a worker the broker has the last result of has this long to exit
 KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
-WATCH_INTERVAL_SECONDS = 0.05  # how often the watchdog samples the processes of the program
-# The workspace walk costs about 25 us per entry on the 2-core VM under load (10,100 entries:
-# 245 ms at a load average of 15): it runs at most every WORKSPACE_SAMPLE_SECONDS, and never takes
-# more than 1/WORKSPACE_SAMPLE_FACTOR of the zygote's time.
-WORKSPACE_SAMPLE_SECONDS = 0.25
-WORKSPACE_SAMPLE_FACTOR = 20
-# Entries (files, directories, links) one program may keep in its workspace. It bounds each walk
-# (2.5 s at the bound on that loaded VM, during which the zygote answers nothing) and the inodes
-# one program can take; more fails like the byte quota.
-MAX_WORKSPACE_ENTRIES = 100_000
 # With --gpu-handover quiet: how often a killed worker that holds a GPU device is looked at until
 # none of its processes can run code (a /proc read per task, tens of microseconds).
 QUIET_POLL_SECONDS = 0.002
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
 READ_CHUNK_BYTES = 65536
-
-
-# Imported by the zygote so that no worker pays for them (see Zygote.serve).
-TIMER_MODULES = ("cupti.cupti", "pynvml")
 
 
 def emit(event: ZygoteEvent, **fields: Any) -> None:
@@ -132,8 +117,7 @@ class Zygote:
         self.lazy_next = False  # the broker asked for a worker without a CUDA context next
         self.programs_use_gpu = True  # the last program (as the broker saw it) took the GPU lease
         self.private_ipc = private_ipc  # the IPC namespace is the slot's own: System V objects go between programs
-        # The watchdog samples a program's processes only where a limit needs it.
-        self.watched = any(settings.limits.get(name) for name in ("processes", "memory_bytes", "workspace_bytes"))
+        self.watchdog = Watchdog(settings.limits, settings.workspace, private_ipc=private_ipc)
         self.generation = 0
         self.stopping = False
         self.current: Child | None = None
@@ -141,37 +125,12 @@ class Zygote:
         self.selector = selectors.DefaultSelector()
         self.pending_input = b""
         self.crashes = 0
-        self.next_watch = 0.0
-        self.next_workspace_sample = 0.0
         self.next_alive = 0.0
         self.expected = SpareState.of_this_process(settings.limits)
         self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
 
     def serve(self) -> int:
-        for name in self.settings.preload:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass  # torch is optional on CPU-only hosts
-        importlib.import_module("kcoral.worker.worker")
-        if "numpy" in sys.modules:
-            # numpy loads numpy.random on first use; every worker reseeds it (and many programs
-            # use it), and importing it after the fork costs each worker about 10 ms.
-            importlib.import_module("numpy.random")
-        # What the timer arms with in every GPU worker before its program (kcoral.timing.trust):
-        # importing cupti-python after the fork cost each worker 54 to 77 ms on the H200, which
-        # held fresh workers to 15 a second. Importing loads the libraries and initialises no
-        # CUDA. Either may be missing (no gpu extra): the worker then reports why, as before.
-        for name in TIMER_MODULES:
-            try:
-                importlib.import_module(name)
-            except Exception:  # ImportError, or a missing libcupti raised inside the import
-                continue
-        arm_in_zygote()  # once, for every worker (see kcoral.timing.trust.arm_in_zygote)
-        # Move everything imported so far out of the collector's sight: a worker's garbage
-        # collections then leave these pages alone, and they stay shared with the zygote.
-        gc.collect()
-        gc.freeze()
+        preload_for_workers(self.settings.preload)
         processes.set_process_name("kcoral-zygote")
         # Workers run as the same user: without this one of them could write the zygote's memory
         # through /proc/<zygote>/mem and so take over every later worker of the slot.
@@ -268,7 +227,7 @@ class Zygote:
         child = spare if spare is not None else self.fork_worker(eager=False if lazy else None)
         self.current = child
         let_go(child)
-        self.next_workspace_sample = time.monotonic() + WORKSPACE_SAMPLE_SECONDS
+        self.watchdog.program_may_start(time.monotonic())
         emit(ZygoteEvent.FORKED, worker=child.identity, pid=child.pid)
         self.fork_spare_ahead()
 
@@ -307,7 +266,7 @@ class Zygote:
         """Handle what happens next: a command, a worker's exit, a watchdog sample."""
         now = time.monotonic()
         timeout = max(0.0, self.next_alive - now)
-        if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.watched):
+        if any(c.pidfd is None for c in self.children()) or (self.current is not None and self.watchdog.watched):
             timeout = min(timeout, WATCH_INTERVAL_SECONDS)
         if self.current is not None and self.current.quiet_watch:
             timeout = min(timeout, QUIET_POLL_SECONDS)
@@ -325,8 +284,7 @@ class Zygote:
             self.check_quiet(current)
         if current is not None and current.done_at is not None and now - current.done_at > RETIRE_GRACE_SECONDS:
             self.kill(current, f"it did not exit within {RETIRE_GRACE_SECONDS:g} s of its last result")
-        if current is not None and self.watched and now >= self.next_watch:
-            self.next_watch = now + WATCH_INTERVAL_SECONDS
+        if current is not None and self.watchdog.due(now):
             self.watch(current)
         if now >= self.next_alive:
             self.next_alive = now + ALIVE_INTERVAL_SECONDS
@@ -380,31 +338,9 @@ class Zygote:
         """One watchdog sample of the program's processes and workspace: kill it over a limit."""
         if child.kill_reason:
             return
-        bounds = self.settings.limits
-        most = bounds.get("processes") or None
-        # Every process below the zygote but the spare: the worker's tree and those it made with
-        # CLONE_PARENT.
-        tree = processes.descendants(os.getpid(), most, spare=self.spared())
-        detached = workspace.detached_segment_bytes() if self.private_ipc else 0
-        breach = limits.limit_breach(tree, bounds, detached)
-        if breach is None and bounds.get("workspace_bytes") and time.monotonic() >= self.next_workspace_sample:
-            breach = self.workspace_breach(bounds["workspace_bytes"], tree)
+        breach = self.watchdog.breach(spare=self.spared())
         if breach is not None:
             self.kill(child, f"the zygote killed it: {breach}")
-
-    def workspace_breach(self, quota: int, tree: list[int]) -> str | None:
-        start = time.monotonic()
-        used = workspace.usage(self.settings.workspace, MAX_WORKSPACE_ENTRIES)
-        unlinked = limits.unlinked_file_bytes(tree)  # deleted files and memfds still held
-        took = time.monotonic() - start
-        self.next_workspace_sample = time.monotonic() + max(WORKSPACE_SAMPLE_SECONDS, WORKSPACE_SAMPLE_FACTOR * took)
-        limit = limits.describe_limit("workspace_bytes", quota)
-        if not used.complete:
-            return f"more than {MAX_WORKSPACE_ENTRIES} files in its workspace, over {limit}"
-        if used.bytes + unlinked > quota:
-            held = f" and in deleted files it holds ({limits.format_bytes(unlinked)})" if unlinked else ""
-            return f"{limits.format_bytes(used.bytes + unlinked)} in its workspace{held}, over {limit}"
-        return None
 
     def kill(self, child: Child, reason: str) -> None:
         """Kill a worker; the current one with every other process below us but the spare.
