@@ -156,7 +156,7 @@ class Kind:
     weight: int
     honest: bool
     build: Callable[[random.Random], tuple[Program, Any]]  # the program and what its result must be
-    goal: str  # "COMPLETED", "FAILED", "FAILED:<text in message>", "error:<kind>", "not:<value>"
+    goal: str  # "COMPLETED", "FAILED", "FAILED:<text in message>", "error:<kind>", or "any"
     timeout_s: float = TIMEOUT_S
 
 
@@ -182,6 +182,15 @@ def tensor_kind(size: int) -> Callable[[random.Random], tuple[Program, Any]]:
     return build
 
 
+def flood_program() -> Program:
+    """A flood from the program's own thread that goes on while the worker sends its RESULT: the
+    run is the last instruction (a later one would meet the flood on the worker's socket)."""
+    program = Program()
+    module = program.upload(kind="module", source=HOSTILE)
+    program.run(fn=program.get_function(module=module, name="flood", cpu_only=True), args=[0.3])
+    return program
+
+
 def constant_program(rng: random.Random) -> tuple[Program, Any]:
     value = rng.randrange(1 << 30)
     return call("constant", value=value), value
@@ -198,7 +207,7 @@ def kinds(sandbox: str) -> list[Kind]:
         Kind("crash", 1, False, lambda r: (call("crash"), None), "FAILED:exit code 3"),
         Kind("raise", 1, False, lambda r: (call("fail"), None), "FAILED:on purpose"),
         Kind("timeout", 1, False, lambda r: (call("nap", 5.0), None), "error:timeout", timeout_s=1.0),
-        Kind("progress_flood", 2, False, lambda r: (call("flood", 0.3), "flooded"), "COMPLETED"),
+        Kind("progress_flood", 2, False, lambda r: (flood_program(), None), "COMPLETED"),
         Kind("clone_parent_spread", 1, False, lambda r: (call("spread", 3, 600, 3.0), None), "FAILED:memory-limit"),
         Kind("memory_bomb", 1, False, lambda r: (call("bomb", 3000), None), "FAILED"),
         Kind("fork_bomb", 1, False, lambda r: (call("forks", 200), None), "FAILED:--max-processes"),
@@ -208,7 +217,14 @@ def kinds(sandbox: str) -> list[Kind]:
         # Inside bubblewrap no queue reaches a later program; without a sandbox the slot's (or the
         # host's) IPC namespace keeps them: no goal there.
         Kind("mqueue_find", 1, True, lambda r: (call("mq_find", QUEUE_NAME), absent), "COMPLETED"),
-        Kind("abstract_listen", 1, False, lambda r: (call("listen", "kcoral-campaign", 2.0), "listened"), "COMPLETED"),
+        # Without a sandbox two slots' programs share one name: the second listen fails (no goal).
+        Kind(
+            "abstract_listen",
+            1,
+            False,
+            lambda r: (call("listen", "kcoral-campaign", 2.0), "listened"),
+            "COMPLETED" if isolated else "any",
+        ),
         Kind(
             "abstract_reach",
             1,
@@ -235,16 +251,16 @@ class Campaign:
 
 def met(kind: Kind, expected: Any, result: ProgramResult | None, error: KCoralError | None) -> tuple[str, bool]:
     if error is not None:
-        return f"error:{error.kind}", kind.goal == f"error:{error.kind}"
+        return f"error:{error.kind}", kind.goal in (f"error:{error.kind}", "any")
     assert result is not None
     if result.completed:
         out = result.results.get("out")
         close = isinstance(expected, float) and abs(out - expected) <= 1e-6 * max(1.0, abs(expected))
         right = expected is None or out == expected or close
-        return "COMPLETED", kind.goal == "COMPLETED" and right
+        return "COMPLETED", kind.goal == "any" or (kind.goal == "COMPLETED" and right)
     error_map = result.error or {}
     fate = f"FAILED:{error_map.get('kind')}: {str(error_map.get('message'))[:120]}"
-    if kind.goal == "FAILED":
+    if kind.goal in ("FAILED", "any"):
         return fate, True
     if kind.goal.startswith("FAILED:"):
         return fate, kind.goal.removeprefix("FAILED:") in str(error_map.get("message"))
@@ -304,11 +320,10 @@ def raw_peers(url: str) -> Iterator[None]:
     try:
         for _ in range(4):
             peer = connect()
-            with contextlib.suppress(OSError):
-                peer.sendall(struct.pack(">BQ", 0x02, 6 << 30))
-                for _ in range(64):
-                    peer.send(bytes(1 << 20), socket.MSG_DONTWAIT)
-        almost = protocol.DEFAULT_MAX_FRAME_BYTES
+            peer.settimeout(10)
+            with contextlib.suppress(OSError):  # refused at the header: the connection is reset
+                peer.sendall(struct.pack(">BQ", 0x02, 6 << 30) + bytes(64 << 20))
+        almost = getattr(protocol, "DEFAULT_MAX_FRAME_BYTES", 8 << 20)  # (a checkout from before it)
         for _ in range(4):
             with contextlib.suppress(OSError):
                 connect().sendall(struct.pack(">BQ", 0x02, almost) + bytes(almost - 1))
