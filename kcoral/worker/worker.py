@@ -224,6 +224,7 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
     socket.setsockopt(zmq.LINGER, 0)  # results go on sockets of their own (_send_result)
     socket.connect(settings.connect)
+    results = zmq.Context()  # for the first RESULT (_send_result), made while no program is here
     if settings.go_fd is not None:
         # A spare waits here, connected, while the program before it runs. EOF: the zygote is gone.
         announced = bool(os.read(settings.go_fd, 1))  # Python retries a read a signal interrupts
@@ -231,6 +232,7 @@ def run_worker(settings: WorkerSettings) -> int:
         if not announced:
             socket.close(linger=0)
             context.term()
+            results.term()
             return 0
     ready_body: dict[str, Any] = {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu}
     if cuda_view is not None:
@@ -298,23 +300,25 @@ def run_worker(settings: WorkerSettings) -> int:
                 **outcome.notes,
             }
             packed, frames = bounded_result(outcome.body, outcome.frames)
-            _send_result(settings, done, [protocol.VERSION, protocol.RESULT, packed, *frames])
+            _send_result(results, settings, done, [protocol.VERSION, protocol.RESULT, packed, *frames])
+            results = zmq.Context()  # for the next program's RESULT, while this worker waits for it
             done += 1
             if not reusable:
                 return 0
     finally:
+        results.term()
         # What is still queued here is output and PROGRESS (the RESULT went on its own socket):
         # a program's flood of them is dropped, not waited for.
         socket.close(linger=0)
         context.term()
 
 
-def _send_result(settings: WorkerSettings, number: int, message: list[Any]) -> None:
-    """Send a RESULT on a connection of its own (protocol.RESULT_IDENTITY_SEPARATOR), and wait
-    until it is delivered: a program's threads that flood the worker's socket can neither delay it
-    nor interleave with it (a zmq socket is not for two threads), nor kill the worker before it is
-    out. Its own context, so that ending it waits for nothing the program's threads hold."""
-    context = zmq.Context()
+def _send_result(context: zmq.Context[Any], settings: WorkerSettings, number: int, message: list[Any]) -> None:
+    """Send a RESULT on a connection of its own (protocol.RESULT_IDENTITY_SEPARATOR), made now
+    (after the program's last instruction), and wait until it is delivered: a program's threads
+    that flood the worker's socket can neither delay it nor interleave with it (a zmq socket is
+    not for two threads), nor kill the worker before it is out. ``context`` is for this RESULT
+    alone (made while the worker was idle), so that ending it waits for nothing else."""
     result = context.socket(zmq.DEALER)
     identity = settings.identity.encode() + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
     result.setsockopt(zmq.IDENTITY, identity)
