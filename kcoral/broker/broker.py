@@ -28,6 +28,7 @@ from kcoral.broker.launch import slot_specs
 from kcoral.broker.leases import LeaseTable, choose_gpus
 from kcoral.broker.provenance import Provenance
 from kcoral.broker.requests import Request, RequestState, Worker
+from kcoral.broker.sessions import Session, SessionTable
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.target import TargetInfo, describe_target
@@ -130,6 +131,7 @@ class Broker:
             lambda worker: self.worker_messages.on_gpu_free(worker),
         )
         self.pool = WorkerPool(self.supervisor.states)
+        self.sessions = SessionTable(settings.session_idle_seconds, settings.session_max_seconds)
         self.worker_messages = WorkerMessages(
             settings,
             backend=self.backend,
@@ -139,6 +141,7 @@ class Broker:
             supervisor=self.supervisor,
             port=self,
             provenance=self.provenance,
+            sessions=self.sessions,
         )
         self.upstream: UpstreamLink | None = None
         self.lazy_asked: set[int] = set()  # slots whose next worker was asked to make no CUDA context
@@ -214,9 +217,29 @@ class Broker:
     def dispatch(self) -> None:
         if self.shell.stopping:
             return
-        while self.pool.idle:
+        waiting: list[Request] = []  # programs of a session whose worker runs one now
+        try:
+            self._dispatch(waiting)
+        finally:
+            for request in reversed(waiting):
+                self.queue.push_front(request, serve_client_next=False)
+
+    def _dispatch(self, waiting: list[Request]) -> None:
+        while self.pool.idle or self.sessions:
             request = self.queue.pop()
             if request is None:
+                return
+            session = self.sessions.of(request.client) if request.options.session else None
+            if session is not None:
+                if session.worker.request_id is not None:
+                    waiting.append(request)  # one at a time in a session; others go ahead
+                    continue
+                if request.gpu_count == len(session.gpu_ids):
+                    self._start(request, session.worker)
+                    continue
+                self.end_session(session, "a program on another number of GPUs")
+            if not self.pool.idle:
+                self.queue.push_front(request)
                 return
             worker = self.pool.pick(request.gpu_count, self._gpu_load())
             if worker is None:
@@ -235,6 +258,24 @@ class Broker:
         log.info("worker_retired", worker=worker.identity.decode(), reason="serves other GPUs")
         self.lazy_asked.add(worker.slot)
         self.supervisor.kill_worker(worker.slot, worker.identity.decode(), lazy_next=True)
+
+    def end_session(self, session: Session, why: str) -> None:
+        """End a session whose worker has no program: its worker is retired (the GPU lease goes back
+        at its exit, as any worker's) and its client's next session program starts a new one."""
+        self.sessions.end(session)
+        log.info("session_ended", worker=session.worker.identity.decode(), programs=session.programs, reason=why)
+        if session.worker.request_id is None and not session.worker.exited:
+            self.supervisor.prepare_next_worker(session.worker.slot, session.worker.identity.decode(), gpu_used=True)
+
+    def _end_expired_sessions(self) -> None:
+        """Sessions past --session-idle or --session-max, or whose client is gone (a HEARTBEAT to it
+        cannot be routed): their GPU goes back to the others."""
+        if not self.sessions:
+            return
+        beat = protocol.message(protocol.HEARTBEAT, {})
+        gone = {client for client in list(self.sessions.by_client) if not self.shell.send(client, beat)}
+        for session in self.sessions.expired(gone):
+            self.end_session(session, "its client is gone" if session.client in gone else "idle or at its length")
 
     def worker_joined(self, worker: Worker) -> None:
         """A worker said READY and may take programs: a slot asked for one without a context has it."""
@@ -373,6 +414,7 @@ class Broker:
         running = request.state == RequestState.RUNNING and worker is not None
         self.finish(request, protocol.final_error_body(request.id, kind, message), [])
         if running and worker is not None:
+            self.worker_messages.drop_session(worker)
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
             self.pool.forget(worker)
@@ -401,6 +443,7 @@ class Broker:
             await asyncio.sleep(next_beat - time.monotonic())
             self.orphans.gone(self.shell.heartbeat_clients())
             self._cancel_orphans()
+            self._end_expired_sessions()
             self._expire_queued()
 
     def _cancel_orphans(self) -> None:
@@ -447,6 +490,7 @@ class Broker:
             "cache": {**self.blobs.stats(), "dir": str(self.settings.cache_dir)},
             "counters": self.metrics.counters(),
             **programs_in_flight([r.describe(now) for r in self.requests]),
+            "sessions": self.sessions.snapshot(),
             "sandbox": self.settings.sandbox,
             **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
             # Once every worker slot has had a worker ready (the broker_ready line): readiness probes

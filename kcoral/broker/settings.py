@@ -90,6 +90,10 @@ class BrokerSettings:
     # once the worker has exited (its context torn down); "quiet", once none of its processes can
     # run code any more, while the driver may still tear the context down.
     gpu_handover: str = "exit"
+    # Client sessions (kcoral.broker.sessions): one ends this long after its last program, and at
+    # the end of the program running this long after its first; its GPU is the others' again then.
+    session_idle_seconds: float = 10.0
+    session_max_seconds: float = 300.0
     # None: <run_dir>/cache, which a temporary run dir takes with it when the broker stops; give
     # --cache-dir (or --run-dir) for a disk cache that survives a restart.
     cache_dir: Path | None = None

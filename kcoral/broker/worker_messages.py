@@ -11,6 +11,7 @@ table, the supervisor) and talks back to the broker through a small port, :class
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from kcoral.broker import slots
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable
 from kcoral.broker.provenance import Provenance
 from kcoral.broker.requests import Request, RequestState, Worker
+from kcoral.broker.sessions import SessionTable
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.workers import WorkerPool, result_grace_seconds
@@ -80,6 +82,7 @@ class WorkerMessages:
     progress_limit: RateLimit[bytes] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
     ready_announced: bool = False
     provenance: Provenance | None = None  # None: results carry an empty provenance map
+    sessions: SessionTable = field(default_factory=lambda: SessionTable(0.0, 0.0))
 
     def holds_lease(self, worker: Worker | None, request_id: str) -> bool:
         """Whether ``worker`` holds ``request_id``'s lease: it then goes back at the worker's exit."""
@@ -162,6 +165,13 @@ class WorkerMessages:
         self.port.worker_joined(worker)
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
+        if worker.identity in self.held_leases and self.sessions.of_worker(worker.identity) is not None:
+            # A session's worker holds its GPUs' lease between its programs: granted at once.
+            now = time.monotonic()
+            request.lease_times = (now, now)
+            with contextlib.suppress(zmq.ZMQError):
+                send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+            return
         try:
             grant = await self.leases.acquire(request.id, request.gpu_ids)
         except (LeaseReclaimed, asyncio.CancelledError):
@@ -185,7 +195,9 @@ class WorkerMessages:
         raw_info = body.get("worker")
         info: dict[str, Any] = raw_info if isinstance(raw_info, dict) else {}
         reusable = slots.reusable(worker, self.settings.max_programs_per_worker)
-        if info.get("reusable") and reusable and worker.identity in self.pool.workers:
+        if self._session_goes_on(request, worker, body, info):
+            pass  # kept for its client's next program: not idle for others, its lease held
+        elif info.get("reusable") and reusable and worker.identity in self.pool.workers:
             holder = self.held_leases.pop(worker.identity, None)
             if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
                 self.leases.release(holder)
@@ -237,6 +249,31 @@ class WorkerMessages:
             claims=claims,
         )
 
+    def _session_goes_on(self, request: Request, worker: Worker, body: dict[str, Any], info: dict[str, Any]) -> bool:
+        """Whether ``worker`` stays its client's session's after this result (kcoral.broker.sessions):
+        a session program that completed, in a worker that says it can go on and has not exited, and
+        a session within its length. Otherwise a session of that worker ends here."""
+        completed = body.get("status") == protocol.COMPLETED and body.get("error") is None
+        if (
+            request.options.session
+            and completed
+            and info.get("reusable") is True
+            and not worker.exited
+            and worker.identity in self.pool.workers
+            and self.sessions.keep(request.client, worker, request.gpu_ids) is not None
+        ):
+            worker.gpu_view = tuple(request.gpu_ids) if request.gpu_ids else None
+            return True
+        self.drop_session(worker)
+        return False
+
+    def drop_session(self, worker: Worker | None) -> None:
+        """End the session of ``worker``, if it has one (it failed, is killed, or exited)."""
+        session = self.sessions.of_worker(worker.identity) if worker is not None else None
+        if session is not None:
+            self.sessions.end(session)
+            log.info("session_ended", worker=worker.identity.decode() if worker else None, programs=session.programs)
+
     def on_gpu_free(self, worker: str) -> None:
         """The zygote killed a finished worker that had no GPU device open or mapped (nor had
         anything it started): it can run no more work on the GPU, whose lease goes back now."""
@@ -249,6 +286,9 @@ class WorkerMessages:
         if holder is not None:
             # The worker and all it started are gone (the zygote says so only then): the GPU is free.
             self.leases.reclaim(holder)
+        session = self.sessions.of_worker(exit.worker.encode())
+        if session is not None:
+            self.sessions.end(session)
         worker = self.pool.exit(exit)
         if worker is None or worker.request_id is None:
             return
@@ -297,6 +337,7 @@ class WorkerMessages:
         )
         result["provenance"] = self._provenance(request, None)
         worker = request.worker
+        self.drop_session(worker)
         self.port.finish(request, protocol.final_body(request.id, result), [])
         if worker is not None and not worker.exited:
             worker.request_id = None

@@ -89,6 +89,18 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--max-programs-per-worker", type=non_negative, default=1, help="programs a worker runs; 0: reuse workers"
     )
     broker.add_argument(
+        "--session-idle",
+        type=positive_seconds,
+        default=10.0,
+        help="a client session ends this long after its last program (its GPU is the others' again)",
+    )
+    broker.add_argument(
+        "--session-max",
+        type=positive_seconds,
+        default=300.0,
+        help="a client session ends with the program running this long after its first",
+    )
+    broker.add_argument(
         "--cuda-context",
         choices=CUDA_CONTEXTS,
         default=CUDA_CONTEXTS[0],
@@ -248,6 +260,8 @@ def broker_settings(args: argparse.Namespace, security: Any, upstream_keys: Any)
         sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
         max_programs_per_worker=args.max_programs_per_worker,
         cuda_context=args.cuda_context,
+        session_idle_seconds=args.session_idle,
+        session_max_seconds=args.session_max,
         gpu_handover=args.gpu_handover,
         cache_dir=args.cache_dir,
         cache_bytes=args.cache_bytes,

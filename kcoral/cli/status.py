@@ -56,6 +56,7 @@ def render(health: Mapping[str, Any], url: str, *, now: float | None = None) -> 
     lines += _programs(health, now)
     lines += _gpus(health.get("target"))
     lines += _leases(health.get("leases"))
+    lines += _sessions(health.get("sessions"))
     lines += _workers(health.get("workers"))
     lines += _cache(health.get("cache"))
     lines += _upstream(health.get("upstream"))
@@ -154,6 +155,29 @@ def _leases(leases: Any) -> list[str]:
             ]
         )
     return ["leases", *_table(["gpu", "holder", "held", "waiting"], rows)]
+
+
+def _sessions(sessions: Any) -> list[str]:
+    """Client sessions (a client's programs in one worker, holding its GPUs' lease)."""
+    if not isinstance(sessions, list) or not sessions:
+        return []
+    rows = []
+    for session in sessions:
+        if not isinstance(session, Mapping):
+            continue
+        age, idle = session.get("age_s"), session.get("idle_s")
+        rows.append(
+            [
+                _short(session.get("client")),
+                _short(session.get("worker")),
+                ",".join(str(g) for g in session.get("gpu_ids") or []) or "-",
+                str(session.get("programs")),
+                "running" if session.get("running") else "idle",
+                _duration(age) if isinstance(age, int | float) else "-",
+                _duration(idle) if isinstance(idle, int | float) else "-",
+            ]
+        )
+    return ["sessions", *_table(["client", "worker", "gpus", "programs", "now", "age", "idle"], rows)]
 
 
 def _workers(workers: Any) -> list[str]:

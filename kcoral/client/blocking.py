@@ -32,7 +32,8 @@ class Client:
     wiped when it returns. ``None`` (the default): only when stderr is a terminal.
     ``show_output``: write the program's stdout and stderr here as it runs (where the service streams
     them); ``output_shown`` then counts the characters of each written during the last ``execute``,
-    so the rest can be written from the result (the command-line adapters do this)."""
+    so the rest can be written from the result (the command-line adapters do this).
+    ``session``: run this client's consecutive programs in one worker (see AsyncClient)."""
 
     def __init__(
         self,
@@ -42,8 +43,9 @@ class Client:
         progress: bool | None = None,
         show_output: bool = False,
         keys: ClientKeys | None = None,
+        session: bool = False,
     ) -> None:
-        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds, keys=keys)
+        self._async = AsyncClient(url, connect_timeout_seconds=connect_timeout_seconds, keys=keys, session=session)
         self.progress = progress
         self.show_output = show_output
         self.output_shown = {"stdout": 0, "stderr": 0}

@@ -77,9 +77,14 @@ def map_zmq_errors(request_id: str | None = None) -> Iterator[None]:
 
 
 def check_execute_options(
-    timeout_seconds: float | None, gpu_count: int | None, output_limit_bytes: int | None
+    timeout_seconds: float | None, gpu_count: int | None, output_limit_bytes: int | None, session: bool = False
 ) -> dict[str, Any]:
-    raw = {"timeout_seconds": timeout_seconds, "gpu_count": gpu_count, "output_limit_bytes": output_limit_bytes}
+    raw = {
+        "timeout_seconds": timeout_seconds,
+        "gpu_count": gpu_count,
+        "output_limit_bytes": output_limit_bytes,
+        "session": session,
+    }
     try:
         return protocol.parse_options(raw).to_wire()
     except protocol.WireError as exc:
@@ -91,13 +96,26 @@ class AsyncClient:
 
     ``keys`` (:class:`kcoral.keys.ClientKeys`) make the connection CurveZMQ: encrypted, the
     server checked against its public key, and this client known to it by its own key.
+
+    ``session=True`` asks a broker to run this client's consecutive programs in one worker, which
+    keeps its CUDA context and holds its GPU's lease between them (no context made and torn down
+    per program); its workspace and process state are wiped between programs, no other client's
+    program ever enters it, and a failed program, the client going away or the broker's idle and
+    length bounds end it (the next program then starts a new one). Programs of one session run
+    one at a time. The default is a fresh process per program.
     """
 
     def __init__(
-        self, url: str | None = None, *, connect_timeout_seconds: float = 10.0, keys: ClientKeys | None = None
+        self,
+        url: str | None = None,
+        *,
+        connect_timeout_seconds: float = 10.0,
+        keys: ClientKeys | None = None,
+        session: bool = False,
     ) -> None:
         self.url = resolve_url(url)
         self.keys = keys
+        self.session = session
         if connect_timeout_seconds <= 0:
             raise ValueError("connect_timeout_seconds must be > 0")
         self.connect_timeout_seconds = connect_timeout_seconds
@@ -229,7 +247,7 @@ class AsyncClient:
         step the service reports (uploading, queued, running, output)."""
         if not isinstance(program, Program):
             raise TypeError(f"execute needs a Program, got {type(program).__name__}")
-        options = check_execute_options(timeout_seconds, gpu_count, output_limit_bytes)
+        options = check_execute_options(timeout_seconds, gpu_count, output_limit_bytes, self.session)
         body, blobs = program.to_wire()
         request_id = uuid.uuid4().hex
         timeout = options.get("timeout_seconds", protocol.DEFAULT_TIMEOUT_SECONDS)

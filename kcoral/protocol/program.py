@@ -36,6 +36,9 @@ class ExecuteOptions:
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     gpu_count: int | None = None
     output_limit_bytes: int = DEFAULT_OUTPUT_LIMIT_BYTES
+    # Run in this client's session: its consecutive programs share one worker (and its CUDA
+    # context), never another client's; see the broker's kcoral.broker.sessions.
+    session: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -44,6 +47,8 @@ class ExecuteOptions:
         }
         if self.gpu_count is not None:
             body["gpu_count"] = self.gpu_count
+        if self.session:
+            body["session"] = True
         return body
 
 
@@ -53,7 +58,7 @@ def parse_options(raw: Any) -> ExecuteOptions:
         return ExecuteOptions()
     if not isinstance(raw, dict):
         raise WireError("options must be a map")
-    unknown = set(raw) - {"timeout_seconds", "gpu_count", "output_limit_bytes"}
+    unknown = set(raw) - {"timeout_seconds", "gpu_count", "output_limit_bytes", "session"}
     if unknown:
         raise WireError(f"unknown options: {', '.join(sorted(map(str, unknown)))}")
     timeout = raw.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS)
@@ -76,7 +81,10 @@ def parse_options(raw: Any) -> ExecuteOptions:
         raise WireError("output_limit_bytes must be an integer")
     if not 0 <= limit <= MAX_OUTPUT_LIMIT_BYTES:
         raise WireError(f"output_limit_bytes must be between 0 and {MAX_OUTPUT_LIMIT_BYTES}")
-    return ExecuteOptions(float(timeout), gpu_count, limit)
+    session = raw.get("session", False)
+    if not isinstance(session, bool):
+        raise WireError("session must be true or false")
+    return ExecuteOptions(float(timeout), gpu_count, limit, session)
 
 
 def parse_execute(body: dict[str, Any]) -> tuple[dict[str, Any], ExecuteOptions, list[str]]:

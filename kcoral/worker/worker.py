@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import shutil
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from kcoral import protocol
 from kcoral.timing import seeds
 from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, limits, processes
+from kcoral.worker import workspace as workspace_files
 from kcoral.worker.capture import OutputCapture, OutputFollower
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
@@ -191,7 +191,9 @@ def execute_program(
         if saved is not None:
             saved.restore(run_dir)
         if not last:
-            shutil.rmtree(run_dir, ignore_errors=True)
+            # The next program of this worker (reuse, or the client's session) finds the
+            # workspace empty, as a fresh worker would.
+            workspace_files.wipe(workspace)
         # A last program's directory goes with the slot's workspace, which the zygote wipes after
         # this process has exited and before the next worker is announced: off the program's path
         # (removing its five directories here took 5 to 25 ms before the RESULT on the loaded
@@ -280,7 +282,12 @@ def run_worker(settings: WorkerSettings) -> int:
                 )
             executed_at = time.time()
             processes.note_progress(None)
-            reusable = not outcome.retire and (settings.max_programs == 0 or done + 1 < settings.max_programs)
+            # A program of its client's session keeps the worker for the next one (the broker
+            # decides whether it does: kcoral.broker.sessions).
+            session = _in_session(body)
+            reusable = not outcome.retire and (
+                settings.max_programs == 0 or done + 1 < settings.max_programs or session
+            )
             outcome.body["worker"] = {
                 "identity": settings.identity,
                 "pid": os.getpid(),
@@ -329,6 +336,12 @@ def _send_result(context: zmq.Context[Any], settings: WorkerSettings, number: in
     finally:
         result.close()
         context.term()  # returns once the RESULT is out (or RESULT_LINGER_MS is up)
+
+
+def _in_session(body: dict[str, Any]) -> bool:
+    """Whether a PROGRAM runs in its client's session (its options say so)."""
+    options = body.get("options")
+    return isinstance(options, dict) and options.get("session") is True
 
 
 def _listed(gpus: tuple[int, ...] | None) -> list[int] | None:
@@ -436,7 +449,7 @@ def _execute_message(
             settings.workspace,
             socket,
             progress,
-            last=settings.max_programs == 1,
+            last=settings.max_programs == 1 and not _in_session(body),
             follow_output=output,
             socket_lock=lock,
         )
