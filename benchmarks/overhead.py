@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--requests 300] [--in-flight 8] [--json out.json] [--plot out.png]
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
-    python benchmarks/overhead.py --phases [--requests 300] [--broker-flags "..."] [--json out.json]
+    python benchmarks/overhead.py --phases [--session] [--requests 300] [--broker-flags "..."] [--json out.json]
     python benchmarks/overhead.py --against DIR [--requests 300] [--rounds 5]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
@@ -19,7 +19,8 @@ the wall-clock times that the client, the broker (``result.timeline``) and the w
 the worker before, during and after the program's own execution (``elapsed_ms``), the result to
 the broker, and the FINAL to the client. What comes after the answer (the worker's exit, the
 zygote's wipe of the slot, the next worker's fork and READY) is off the path, unless the next
-program finds no worker READY: then it shows in the queue row.
+program finds no worker READY: then it shows in the queue row. ``--session``: the same programs
+in one client session (``Client(session=True)``), one worker for all of them.
 
 ``--against DIR`` compares two versions as ``--curve-cost`` does two brokers: one of this checkout and one of the
 checkout at DIR (a second worktree at an older commit, say), alternated round by round, each
@@ -146,12 +147,12 @@ PHASES = (
 )
 
 
-def phases(url: str, count: int) -> dict[str, list[float]]:
+def phases(url: str, count: int, session: bool = False) -> dict[str, list[float]]:
     """Per-phase milliseconds of ``count`` constant programs, one at a time (see the docstring)."""
     program = constant_program()
     samples: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
     samples["total"] = []
-    with Client(url) as client:
+    with Client(url, session=session) as client:
         for _ in range(5):
             client.execute(program)
         for i in range(count):
@@ -199,6 +200,7 @@ def main() -> int:
         "--against", type=Path, default=None, metavar="DIR", help="compare with a broker run from the checkout at DIR"
     )
     parser.add_argument("--phases", action="store_true", help="where a constant program's milliseconds go")
+    parser.add_argument("--session", action="store_true", help="with --phases: the programs in one client session")
     args = parser.parse_args()
     if args.curve_cost:
         return curve_cost(args)
@@ -206,8 +208,8 @@ def main() -> int:
         return against(args)
     if args.phases:
         with broker(*args.broker_flags.split()) as (url, _):
-            samples = phases(url, args.requests)
-        print_phases(samples, args.broker_flags)
+            samples = phases(url, args.requests, args.session)
+        print_phases(samples, args.broker_flags + (" (one session)" if args.session else ""))
         save_json(args.json, {"phases": samples, "machine": machine(), "broker_flags": args.broker_flags})
         return 0
 
