@@ -267,16 +267,6 @@ class Broker:
         if session.worker.request_id is None and not session.worker.exited:
             self.supervisor.prepare_next_worker(session.worker.slot, session.worker.identity.decode(), gpu_used=True)
 
-    def _end_expired_sessions(self) -> None:
-        """Sessions past --session-idle or --session-max, or whose client is gone (a HEARTBEAT to it
-        cannot be routed): their GPU goes back to the others."""
-        if not self.sessions:
-            return
-        beat = protocol.message(protocol.HEARTBEAT, {})
-        gone = {client for client in list(self.sessions.by_client) if not self.shell.send(client, beat)}
-        for session in self.sessions.expired(gone):
-            self.end_session(session, "its client is gone" if session.client in gone else "idle or at its length")
-
     def worker_joined(self, worker: Worker) -> None:
         """A worker said READY and may take programs: a slot asked for one without a context has it."""
         self.lazy_asked.discard(worker.slot)
@@ -443,8 +433,13 @@ class Broker:
             await asyncio.sleep(next_beat - time.monotonic())
             self.orphans.gone(self.shell.heartbeat_clients())
             self._cancel_orphans()
-            self._end_expired_sessions()
+            for session, why in self.sessions.ending(self._reachable):
+                self.end_session(session, why)
             self._expire_queued()
+
+    def _reachable(self, client: bytes) -> bool:
+        """Whether a message to ``client`` can be routed (a HEARTBEAT is sent to find out)."""
+        return self.shell.send(client, protocol.message(protocol.HEARTBEAT, {}))
 
     def _cancel_orphans(self) -> None:
         """Programs whose client's connection is gone: nobody will read their answers. Waiting

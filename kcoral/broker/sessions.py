@@ -92,6 +92,14 @@ class SessionTable:
 
         return [s for s in self.by_client.values() if s.worker.request_id is None and over(s)]
 
+    def ending(self, reachable: Callable[[bytes], bool]) -> list[tuple[Session, str]]:
+        """The sessions to end now, with why: idle past a bound, or their client's connection gone
+        (``reachable``: whether a message to it can be routed, a HEARTBEAT say)."""
+        if not self.by_client:
+            return []
+        gone = {client for client in list(self.by_client) if not reachable(client)}
+        return [(s, "its client is gone" if s.client in gone else "idle or at its length") for s in self.expired(gone)]
+
     def snapshot(self) -> list[dict[str, Any]]:
         now = self.clock()
         return [s.describe(now) for s in self.by_client.values()]

@@ -30,7 +30,7 @@ from kcoral.gpu_guard import GpuAccessGuard
 
 # What one RESULT may hold (protocol.MAX_FRAMES and MAX_BODY_BYTES bound every message): the data
 # frames after its three header frames, and the returned values' share of its body, leaving the
-# rest of the body for the error, stdout and stderr (see kcoral.worker.worker.bounded_result).
+# rest of the body for the error, stdout and stderr (see kcoral.worker.result_bounds.bounded_result).
 MAX_RESULT_FRAMES = protocol.MAX_FRAMES - 3
 MAX_INLINE_RESULT_BYTES = protocol.MAX_BODY_BYTES - (8 << 20)
 CUDA_POISON_MARKERS = (
