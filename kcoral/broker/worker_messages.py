@@ -334,6 +334,7 @@ class WorkerMessages:
             lease_held_ms=lease_held_ms,
             gpu_ids=request.gpu_ids,
             node_id=self.port.node_id,
+            timeline=request.timeline(time.monotonic()),
         )
         result["provenance"] = self._provenance(request, None)
         worker = request.worker

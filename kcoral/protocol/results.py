@@ -42,6 +42,7 @@ RESULT_KEYS: Final = (
     "gpu_ids",
     "node_id",
     "provenance",
+    "timeline",
 )
 # Beside RESULT_KEYS: "worker" (diagnostics of the worker that answered; absent when it died).
 WORKER_KEY: Final = "worker"
@@ -100,9 +101,11 @@ def program_result(
     gpu_ids: Sequence[int] = (),
     node_id: str | None = None,
     provenance: dict[str, Any] | None = None,
+    timeline: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """A program's result: FAILED when there is an ``error`` (results returned before it are kept).
-    ``provenance``: where and how it ran (the broker's, see ``kcoral.broker.provenance``)."""
+    ``provenance``: where and how it ran (the broker's, see ``kcoral.broker.provenance``);
+    ``timeline``: the broker's wall-clock times of it (``kcoral.broker.requests.Request.timeline``)."""
     return {
         "request_id": request_id,
         "status": FAILED if error is not None else COMPLETED,
@@ -119,6 +122,7 @@ def program_result(
         "gpu_ids": list(gpu_ids),
         "node_id": node_id,
         "provenance": {} if provenance is None else provenance,
+        "timeline": {} if timeline is None else timeline,
     }
 
 
@@ -133,6 +137,7 @@ _RESULT_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "lease_held_ms": (int, float),
     "worker": dict,
     "provenance": dict,
+    "timeline": dict,
 }
 _ERROR_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "kind": str,
