@@ -125,3 +125,18 @@ def test_with_the_quiet_handover_two_programs_never_share_the_gpu(tmp_path: Path
     start, end = after.results["out"]
     assert start >= busy_end or end <= busy_start, "two programs used the GPU at once"
     assert after.lease_wait_ms > 0
+
+
+def test_a_session_keeps_one_worker_and_its_context_for_its_client_alone(eager: RunningBroker) -> None:
+    program = Program()
+    fn = program.get_function(module=program.upload(kind="module", source=PROBE), name="probe")
+    program.return_(key="out", value=program.run(fn=fn))
+    with Client(eager.url, session=True) as client, Client(eager.url) as other:
+        mine = [client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S) for _ in range(PROGRAMS)]
+        theirs = other.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S)
+    for result in [*mine, theirs]:
+        assert result.completed, result.error
+    assert len({r.worker["identity"] for r in mine}) == 1  # one worker, its CUDA context kept
+    assert all(r.results["out"]["made_ahead"] for r in mine)
+    assert theirs.worker["identity"] != mine[0].worker["identity"]
+    assert max(r.lease_wait_ms for r in mine[1:]) < 5  # the session holds its GPU's lease
