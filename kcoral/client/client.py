@@ -49,6 +49,9 @@ CANCEL_LINGER_MS = 2000
 # How long a closing client waits for each CANCEL to be sent (and Client, after Ctrl-C, for its
 # cancelled call to send its CANCEL) before going on.
 INTERRUPT_WAIT_SECONDS = 2.0
+# Pieces of a blob sent ahead of the service's answers (docs/protocol.md, section 7): the upload
+# waits for no round trip, and holds at most this many frame limits in flight.
+PIECES_IN_FLIGHT = 4
 
 
 class ClientState(enum.Enum):
@@ -259,6 +262,7 @@ class AsyncClient:
                 {"request_id": request_id, "program": body, "options": options, "blobs": []},
             )
             deadline: float | None = None
+            pieces_sent: dict[str, int] = {}
             while True:
                 command, reply, frames = await self._next_reply(request_id, queue, deadline)
                 if command == protocol.FINAL:
@@ -266,7 +270,7 @@ class AsyncClient:
                     return final_result(request_id, reply, frames)
                 state = reply.get("state")
                 if state == "need_blobs":
-                    await self._send_blobs(request_id, reply, blobs, on_progress)
+                    await self._send_blobs(request_id, reply, blobs, pieces_sent, on_progress)
                 elif state == "running" and deadline is None:
                     deadline = time.monotonic() + timeout + protocol.CLIENT_MARGIN_SECONDS
                 if on_progress is not None and state != "need_blobs":
@@ -333,11 +337,17 @@ class AsyncClient:
                 await self._socket.send_multipart(message, copy=False)
 
     async def _send_blobs(
-        self, request_id: str, reply: dict[str, Any], blobs: dict[str, Any], on_progress: ProgressCallback | None = None
+        self,
+        request_id: str,
+        reply: dict[str, Any],
+        blobs: dict[str, Any],
+        sent: dict[str, int],
+        on_progress: ProgressCallback | None = None,
     ) -> None:
         """Answer a ``need_blobs``: with every blob it names in one BLOBS where the service takes
-        blobs only whole; else with the next piece of its first blob when that one is over the
-        frame limit, or the blobs before the first such one, up to a frame limit of bytes."""
+        blobs only whole; else with the next pieces of its first blob when that one is over the
+        frame limit (``sent``: how far each blob in pieces has gone), or the blobs before the
+        first such one, up to a frame limit of bytes."""
         digests, offsets = reply.get("blobs"), reply.get("offsets") or {}
         if not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise ProtocolError("need_blobs without a list of digests", request_id=request_id)
@@ -356,11 +366,16 @@ class AsyncClient:
             offset = offsets.get(digest, 0)
             if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < view.nbytes:
                 raise ProtocolError(f"need_blobs with a bad offset {offset!r}", request_id=request_id)
-            piece = view[offset : offset + limit]
-            self.blob_bytes_sent += piece.nbytes
-            self.blobs_sent += offset + piece.nbytes == view.nbytes
-            body = {"request_id": request_id, "blobs": [digest], "offset": offset, "size": view.nbytes}
-            await self._send(protocol.BLOBS, body, piece)
+            # Up to PIECES_IN_FLIGHT pieces past what the service has: one more for each answer.
+            start = max(offset, sent.get(digest, 0))
+            while start < view.nbytes and start - offset < PIECES_IN_FLIGHT * limit:
+                piece = view[start : start + limit]
+                self.blob_bytes_sent += piece.nbytes
+                self.blobs_sent += start + piece.nbytes == view.nbytes
+                body = {"request_id": request_id, "blobs": [digest], "offset": start, "size": view.nbytes}
+                await self._send(protocol.BLOBS, body, piece)
+                start += piece.nbytes
+            sent[digest] = start
             return
         batch = digests
         if limit is not None:
