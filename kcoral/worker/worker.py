@@ -84,6 +84,7 @@ def execute_program(
     last: bool = False,
     follow_output: Callable[[str, int, str], None] | None = None,
     socket_lock: threading.Lock | None = None,
+    wipe_later: list[Callable[[], None]] | None = None,
 ) -> ExecutionOutcome:
     """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
 
@@ -185,8 +186,12 @@ def execute_program(
             saved.restore(run_dir)
         if not last:
             # The next program of this worker (reuse, or the client's session) finds the
-            # workspace empty, as a fresh worker would.
-            workspace_files.wipe(workspace)
+            # workspace empty, as a fresh worker would: at once, or (``wipe_later``) once the
+            # caller has sent the RESULT, before it reads the next program.
+            if wipe_later is None:
+                workspace_files.wipe(workspace)
+            else:
+                wipe_later.append(lambda: workspace_files.wipe(workspace))
         # A last program's directory goes with the slot's workspace, which the zygote wipes after
         # this process has exited and before the next worker is announced: off the program's path
         # (removing its five directories here took 5 to 25 ms before the RESULT on the loaded
@@ -264,8 +269,9 @@ def run_worker(settings: WorkerSettings) -> int:
             # Dumpable from now on, so that the zygote's watchdog can read this process's memory
             # use; not before, while a spare beside the previous program (see the zygote).
             processes.set_dumpable(True)
+            wipe_later: list[Callable[[], None]] = []
             try:
-                outcome = _execute_message(body, data, settings, socket)
+                outcome = _execute_message(body, data, settings, socket, wipe_later)
             except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
                 outcome = ExecutionOutcome(
                     failed_body(str(body.get("request_id", "")), "runtime", f"the worker failed: {exc!r}"),
@@ -305,6 +311,8 @@ def run_worker(settings: WorkerSettings) -> int:
             done += 1
             if not reusable:
                 return 0
+            for wipe in wipe_later:  # off the program's path: its RESULT is out
+                wipe()
     finally:
         results.term()
         # What is still queued here is output and PROGRESS (the RESULT went on its own socket):
@@ -399,7 +407,11 @@ class ProgramBlobs(Mapping[str, memoryview]):
 
 
 def _execute_message(
-    body: dict[str, Any], data: list[Any], settings: WorkerSettings, socket: zmq.Socket[bytes]
+    body: dict[str, Any],
+    data: list[Any],
+    settings: WorkerSettings,
+    socket: zmq.Socket[bytes],
+    wipe_later: list[Callable[[], None]] | None = None,
 ) -> ExecutionOutcome:
     request_id = str(body.get("request_id", ""))
     try:
@@ -445,6 +457,7 @@ def _execute_message(
             last=settings.max_programs == 1 and not _in_session(body),
             follow_output=output,
             socket_lock=lock,
+            wipe_later=wipe_later,
         )
         error = outcome.body.get("error")
         if isinstance(error, dict) and error.get("kind") == "response_too_large":
