@@ -7,7 +7,11 @@ seed every run, computes the reference, runs the candidate in a process of its o
 ``benchmark`` with fresh inputs per call) and checks every output it receives in a process into
 which the candidate's code is never loaded. The report gives ``correct``, ``check``, ``timing``,
 ``baseline``, ``speedup`` and ``integrity`` (verdict and reasons); the times are the harness's
-own (``kcoral.workloads.harness``). Without a candidate the baseline is evaluated. A tampered
+own (``kcoral.workloads.harness``). Without a candidate the baseline is evaluated. With two,
+``kcoral remote -- WORKLOAD_DIR A.py B.py`` compares them in paired rounds timed by the harness
+(``kcoral.workloads.pair``): the report gives ``verdict`` (``faster``, ``slower``, ``same`` or
+``unclear``: B against A), ``ratio`` (B/A) with its 95% interval, each side's net time and checks,
+and what ended the sampling; ``correct`` is true when both pass their checks. A tampered
 measurement fails the program with ``integrity`` (exit 70). The report is the only thing on
 stdout: the program's own output, the candidate's included, goes to stderr.
 
@@ -66,24 +70,33 @@ def main(args: argparse.Namespace) -> int:
         workload = plan_send(str(Path(folder).resolve()))
     options.sends = [send for send in options.sends if send.dest != workload.dest] + [workload]
     if is_trusted_workload(folder):
-        if len(evaluate_args) > 1:
-            raise UsageError("a workload with make_inputs takes one candidate file after the folder")
-        candidate = None
-        if evaluate_args:
-            if not Path(evaluate_args[0]).is_file():
-                raise UsageError(f"the candidate {evaluate_args[0]} is not a file")
+        if len(evaluate_args) > 2:
+            raise UsageError("a workload with make_inputs takes one candidate (or two, to compare) after the folder")
+        candidates = []
+        for name in evaluate_args:
+            if not Path(name).is_file():
+                raise UsageError(f"the candidate {name} is not a file")
             try:
-                sent = plan_send(evaluate_args[0])
+                sent = plan_send(name)
             except UsageError:  # a path through "..": sent under its base name
-                sent = plan_send(str(Path(evaluate_args[0]).resolve()))
+                sent = plan_send(str(Path(name).resolve()))
             options.sends = [send for send in options.sends if send.dest != sent.dest] + [sent]
-            candidate = sent.dest
+            candidates.append(sent.dest)
+        if len(candidates) == 2 and candidates[0] == candidates[1]:
+            raise UsageError("the two candidates are sent to the same path: give them different names")
+        candidate = candidates[0] if candidates else None
         deadline = tool_deadline(options.timeout_seconds)
         # The report is the harness's alone: the program's stdout (which the candidate never shares,
         # but a workload might print to) goes to stderr, and stdout carries the report only.
-        status, outcome = execute(
-            options, "evaluate_trusted", [workload.dest, candidate, deadline], report_only_on_stdout=True
-        )
+        if len(candidates) == 2:
+            # A against B in paired rounds timed by the harness (kcoral.workloads.pair).
+            status, outcome = execute(
+                options, "evaluate_trusted_pair", [workload.dest, *candidates, deadline], report_only_on_stdout=True
+            )
+        else:
+            status, outcome = execute(
+                options, "evaluate_trusted", [workload.dest, candidate, deadline], report_only_on_stdout=True
+            )
     else:
         status, outcome = execute(options, "evaluate_workload", [workload.dest, evaluate_args])
     if outcome is None:

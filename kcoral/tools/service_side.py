@@ -16,7 +16,8 @@ Two entry points, each called by one ``run`` instruction in the worker's working
   ``evaluate(*args)`` (see ``kcoral.tools.remote``).
 - ``evaluate_trusted(folder, candidate, timeout_seconds, fetch)`` evaluates a candidate on a
   workload that defines ``make_inputs`` (see ``kcoral.workloads``); it imports the service's own
-  ``kcoral``, the one exception to the rule below.
+  ``kcoral``, the one exception to the rule below; ``evaluate_trusted_pair(folder, a, b,
+  timeout_seconds, fetch)`` compares two candidates that way (``kcoral.workloads.pair``).
 
 Both copy the paths named in ``fetch`` into ``FETCH_STAGE`` (``0``, ``1``, ... by position), which
 the program then returns with ``return_folder``, and say what each one was: ``"file"``,
@@ -203,6 +204,15 @@ def evaluate_trusted(folder: str, candidate: str | None, timeout_seconds: float,
     from kcoral.workloads.harness import evaluate
 
     report = evaluate(folder, candidate, timeout_seconds)
+    return {"report": jsonable(report), "fetched": stage_fetches(fetch)}
+
+
+def evaluate_trusted_pair(folder: str, a: str, b: str, timeout_seconds: float, fetch: list[str]) -> dict[str, Any]:
+    """Compare candidates ``a`` and ``b`` on the workload in ``folder`` the trusted way, in paired
+    rounds timed by the harness (``kcoral.workloads.pair``). Needs the service's kcoral."""
+    from kcoral.workloads.pair import evaluate_pair
+
+    report = evaluate_pair(folder, a, b, timeout_seconds)
     return {"report": jsonable(report), "fetched": stage_fetches(fetch)}
 
 

@@ -141,3 +141,34 @@ def test_provenance_of_a_real_result_and_through_a_router(gpu_broker: RunningBro
             node.stop()
     finally:
         router.stop()
+
+
+def test_kcoral_remote_compares_two_candidates(tmp_path: Path) -> None:
+    """The trusted path's two-candidate form: the add against itself and against 1.03x its work."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    workload = repo / "examples" / "workloads" / "add"
+    (tmp_path / "same.py").write_text("import torch\n\ndef custom_kernel(a, b):\n    return torch.add(a, b)\n")
+    (tmp_path / "more.py").write_text(
+        "import torch\n\ndef custom_kernel(a, b):\n"
+        "    n = int(a.numel() * 0.03)\n"
+        "    out = torch.add(a, b)\n"
+        "    torch.add(a[:n], b[:n])  # 3% more work, the same output\n"
+        "    return out\n"
+    )
+    broker = start_broker(tmp_path / "broker", "--sandbox", "auto")
+    try:
+        for other, expected in (("same.py", ("same", "unclear")), ("more.py", ("slower",))):
+            done = subprocess.run(
+                [sys.executable, "-m", "kcoral.cli", "remote", "--remote", broker.url, "--timeout", "300", "--",
+                 str(workload), str(workload / "candidate.py"), other],
+                capture_output=True, text=True, timeout=400, cwd=tmp_path,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr[-3000:]
+            report = json.loads(done.stdout)
+            assert report["correct"] is True and report["verdict"] in expected, report
+    finally:
+        broker.stop()
