@@ -6,9 +6,9 @@
 # Installs the wheels in .whl/ and this tree (non-editable, into the interpreter's site-packages);
 # then, each step bounded in time and logged under $OUT: the attacks on `kcoral remote` of
 # REMOTE_CHEATS (a folder with run_remote_cheats.sh, attacks/ and workloads/) against a default
-# broker; the attacks of tests/gpu/remote_attacks/ and the honest candidates; compare()'s checks
-# and provenance; the trusted snapshot's gaps; fresh contexts and client sessions; the README's
-# seed example unchanged. A failing step does not stop the others; $OUT/summary.txt has each
+# broker; the trusted snapshot's gaps, fresh contexts and client sessions, the README's seed example
+# unchanged (first); compare()'s table; the attacks of tests/gpu/remote_attacks/ with the honest
+# candidates. A failing step does not stop the others; $OUT/summary.txt has each
 # step's status and last lines. pytest runs without the project's addopts (the GPU host has
 # pytest, not pytest-xdist).
 set -u
@@ -19,10 +19,12 @@ source "$(dirname "$0")/gpu_batch_common.sh"
 install_kcoral
 PYTEST=("$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rA)
 
-if [ -n "${REMOTE_CHEATS:-}" ]; then
-    step remote-cheats "${REMOTE_CHEATS_S:-150}" env OUT="$OUT/remote" bash "$REMOTE_CHEATS/run_remote_cheats.sh"
-fi
-step remote-attacks "${REMOTE_ATTACKS_S:-150}" "${PYTEST[@]}" tests/gpu/test_remote_attacks_gpu.py
-step compare "${COMPARE_S:-120}" "${PYTEST[@]}" tests/gpu/test_compare_gpu.py
-step gaps-fresh-seed "${GAPS_S:-90}" "${PYTEST[@]}" tests/gpu/test_snapshot_gaps_gpu.py tests/gpu/test_fresh_gpu.py \
+step gaps-fresh-seed "${GAPS_S:-70}" "${PYTEST[@]}" tests/gpu/test_snapshot_gaps_gpu.py tests/gpu/test_fresh_gpu.py \
     tests/test_readme.py
+if [ -n "${REMOTE_CHEATS:-}" ]; then
+    step remote-cheats "${REMOTE_CHEATS_S:-110}" env OUT="$OUT/remote" bash "$REMOTE_CHEATS/run_remote_cheats.sh"
+fi
+# compare()'s table (tests/gpu/test_compare_gpu.py asserts the same cases at 10 runs: 5 to 8 minutes).
+step compare "${COMPARE_S:-90}" "$PY" benchmarks/compare_gpu.py --runs "${COMPARE_RUNS:-5}" --matmul-runs 2 \
+    --busy-seconds 10 --json "$OUT/compare.json"
+step remote-attacks "${REMOTE_ATTACKS_S:-150}" "${PYTEST[@]}" tests/gpu/test_remote_attacks_gpu.py
