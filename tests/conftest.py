@@ -4,6 +4,9 @@ afterwards; fixtures only: what tests import is in ``tests/helpers.py``."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +32,15 @@ def broker_factory(tmp_path: Path) -> Iterator[BrokerFactory]:
             broker.stop()
 
 
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A fresh directory with a short path, for services that make Unix sockets deep below it
+    (108 bytes at most): under pytest-xdist, tmp_path is longer by its ``popen-gwN/``."""
+    path = Path(tempfile.mkdtemp(prefix="kc-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
     """One broker (CPU, 2 fake GPUs, 2 workers each) shared by a module's tests."""
@@ -41,6 +53,15 @@ def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningB
 def client(shared_broker: RunningBroker) -> Iterator[Client]:
     with Client(shared_broker.url) as c:
         yield c
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` (pyproject.toml) on a GPU host: no workers, so that GPU tests never time kernels
+    beside each other; elsewhere pytest-xdist's own count (the cores, or
+    $PYTEST_XDIST_AUTO_NUM_WORKERS)."""
+    if not os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") and has_gpu():
+        return 0
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

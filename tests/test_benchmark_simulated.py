@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -120,7 +121,9 @@ def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
     )
     # The simulated state's own snapshot is taken with the stand-ins in place.
     state = dataclasses.replace(state, modules=base.modules, snapshot=trust.take_snapshot(base.modules, tracer))  # type: ignore[arg-type]
-    state = dataclasses.replace(state, threads_at_arm=base.threads_at_arm)
+    # The threads at the program's start, as arm_in_worker takes them: the process-wide arm may be
+    # older than a thread a test before this one left running.
+    state = dataclasses.replace(state, threads_at_arm=frozenset(threading.enumerate()))
     monkeypatch.setattr(trust, "_ARMED", state)
     yield tracer
 

@@ -409,7 +409,9 @@ def test_the_batch_script_passes_shellcheck() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_the_batch_script_runs_a_broker_that_joins_the_router_and_drains_on_sigterm(tmp_path: Path) -> None:
+def test_the_batch_script_runs_a_broker_that_joins_the_router_and_drains_on_sigterm(
+    tmp_path: Path, short_tmp_path: Path
+) -> None:
     keys = Keys(tmp_path / "keys", nodes=("node",), clients=("alice",))
     key_dir = keys.root / "keys"
     shutil.copy(keys.node_secret("node"), key_dir / "node.key_secret")
@@ -433,7 +435,7 @@ def test_the_batch_script_runs_a_broker_that_joins_the_router_and_drains_on_sigt
         "KCORAL_BROKER_ARGS": "--device cpu --workers 1 --sandbox none",
         "SLURM_JOB_ID": "4242",
         "SLURMD_NODENAME": "gpu-7",
-        "SLURM_TMPDIR": str(tmp_path / "local"),
+        "SLURM_TMPDIR": str(short_tmp_path / "local"),  # the job's run dir, its sockets, below it
         "CUDA_VISIBLE_DEVICES": "0",
     }
     log = (tmp_path / "job.log").open("wb")
@@ -444,7 +446,7 @@ def test_the_batch_script_runs_a_broker_that_joins_the_router_and_drains_on_sigt
             assert job.poll() is None, (tmp_path / "job.log").read_text()
             assert time.monotonic() < deadline, (tmp_path / "job.log").read_text()
             time.sleep(0.2)
-        assert (tmp_path / "local" / "kcoral-run-4242").is_dir()
+        assert (short_tmp_path / "local" / "kcoral-run-4242").is_dir()
         job.send_signal(signal.SIGTERM)  # the job's end: --signal=B:TERM, or scancel --batch
         assert job.wait(60) == 0, (tmp_path / "job.log").read_text()
     finally:
@@ -455,5 +457,5 @@ def test_the_batch_script_runs_a_broker_that_joins_the_router_and_drains_on_sigt
         router.stop()
     text = (tmp_path / "job.log").read_text()
     assert "signal_received" in text and "Traceback" not in text
-    assert not (tmp_path / "local" / "kcoral-run-4242").exists()  # the job's run directory is removed
-    assert (tmp_path / "local" / "kcoral-cache").is_dir()  # the node's cache stays for the next job
+    assert not (short_tmp_path / "local" / "kcoral-run-4242").exists()  # the job's run directory is removed
+    assert (short_tmp_path / "local" / "kcoral-cache").is_dir()  # the node's cache stays for the next job

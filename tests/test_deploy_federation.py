@@ -46,13 +46,13 @@ def tensor_program(data: np.ndarray) -> Program:
 
 
 @pytest.fixture
-def federation(tmp_path: Path) -> Iterator[Federation]:
+def federation(tmp_path: Path, short_tmp_path: Path) -> Iterator[Federation]:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(f"simulated hosts need network namespaces: {reason}")
     keys = Keys(tmp_path / "etc-kcoral", nodes=NODES, clients=CLIENTS, strangers=("rogue",))
     with Network.create() as network:
-        federation = Federation(network, keys, tmp_path)
+        federation = Federation(network, keys, short_tmp_path)  # each host's run dir, its sockets, below it
         try:
             yield federation
         finally:
