@@ -4,6 +4,7 @@ afterwards; fixtures only: what tests import is in ``tests/helpers.py``."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -58,8 +59,8 @@ def client(shared_broker: RunningBroker) -> Iterator[Client]:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` (pyproject.toml) on a GPU host: no workers, so that GPU tests never time kernels
     beside each other; elsewhere pytest-xdist's own count (the cores, or
-    $PYTEST_XDIST_AUTO_NUM_WORKERS)."""
-    if not os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") and has_gpu():
+    $PYTEST_XDIST_AUTO_NUM_WORKERS). A GPU device node says GPU host without importing torch."""
+    if not os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") and glob.glob("/dev/nvidia[0-9]*"):
         return 0
     return None
 
