@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kcoral import Client, KCoralError, Program, protocol
-from tests.helpers import BrokerFactory, RunningBroker
+from tests.helpers import BrokerFactory, RunningBroker, start_broker
 
 LOG_TIMEOUT_SECONDS = 10.0
 REPLY_TIMEOUT_SECONDS = 10.0
@@ -23,6 +23,15 @@ NO_REPLY_SECONDS = 0.2  # how long a dropped message is given to (wrongly) produ
 DIGEST = "ab" * 32
 # A broker that loses a request leaves its client waiting: fail such a test in bounded time.
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def one_worker_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    """A broker with one CPU worker, for the tests that send it bad messages and check that it
+    serves on: what each test reads of its log is counted from where the test began."""
+    broker = start_broker(tmp_path_factory.mktemp("bad-input"), "--workers", "1")
+    yield broker
+    broker.stop()
 
 
 @pytest.fixture
@@ -126,9 +135,9 @@ ANSWERED = {"nested tuples": "bomb", "unknown extension": "e", "bad digest in a 
 
 
 def test_malformed_messages_are_dropped_with_a_log_line(
-    broker_factory: BrokerFactory, context: zmq.Context[zmq.Socket[bytes]]
+    one_worker_broker: RunningBroker, context: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    broker = broker_factory("--workers", "1")
+    broker = one_worker_broker
     sock = dealer(context, broker)
     for index, (name, frames, logged) in enumerate(DROPPED):
         before_event = broker.log().count("bad_client_message")
@@ -162,9 +171,9 @@ def _upload_bytes(digest: str, size: int) -> dict[str, Any]:
 
 
 def test_bad_requests_are_answered_with_a_parse_error(
-    broker_factory: BrokerFactory, context: zmq.Context[zmq.Socket[bytes]]
+    one_worker_broker: RunningBroker, context: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
-    broker = broker_factory("--workers", "1")
+    broker = one_worker_broker
     sock = dealer(context, broker)
     payload = b"the real bytes"
     good = hashlib.sha256(payload).hexdigest()

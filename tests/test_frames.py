@@ -22,10 +22,19 @@ import zmq
 
 from kcoral import Client, KCoralError, Program, protocol
 from kcoral.testing import start_router
-from tests.conftest import BrokerFactory
+from tests.helpers import BrokerFactory, RunningBroker, start_broker
 
 FRAME = "1M"  # --max-frame-bytes of these tests: small, so a few MiB is many pieces
 PIECES_SOURCE = "def total(x):\n    return float(x.sum()), x[::-1].copy()\n"
+
+
+@pytest.fixture(scope="module")
+def framed_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    """A broker with one CPU worker and frames of FRAME at most, for the tests that read it: each
+    sends blobs of its own."""
+    broker = start_broker(tmp_path_factory.mktemp("frames"), "--workers", "1", "--max-frame-bytes", FRAME)
+    yield broker
+    broker.stop()
 
 
 def pieces_program(values: np.ndarray) -> Program:
@@ -53,8 +62,8 @@ def check_round_trip(url: str, size_mib: int) -> None:
         assert client.blob_bytes_sent == values.nbytes
 
 
-def test_a_blob_over_the_frame_limit_goes_in_pieces(broker_factory: BrokerFactory) -> None:
-    broker = broker_factory("--workers", "1", "--max-frame-bytes", FRAME)
+def test_a_blob_over_the_frame_limit_goes_in_pieces(framed_broker: RunningBroker) -> None:
+    broker = framed_broker
     check_round_trip(broker.url, 5)
     # No piece is left behind in the cache directory.
     assert not [p for p in (broker.run_dir / "cache").iterdir() if p.name.startswith(".")]  # type: ignore[operator]
@@ -74,8 +83,8 @@ def test_pieces_through_a_router(tmp_path: Path, broker_factory: BrokerFactory) 
         router.stop()
 
 
-def test_pieces_out_of_order_or_of_another_size_are_refused(broker_factory: BrokerFactory) -> None:
-    broker = broker_factory("--workers", "1", "--max-frame-bytes", FRAME)
+def test_pieces_out_of_order_or_of_another_size_are_refused(framed_broker: RunningBroker) -> None:
+    broker = framed_broker
     data = bytes(range(256)) * 8192  # 2 MiB
     digest = protocol.sha256_hex(data)
     tensor = msgpack.ExtType(protocol.EXT_TENSOR, msgpack.packb(["numpy", "uint8", [len(data)], digest]))
@@ -111,8 +120,8 @@ def test_pieces_out_of_order_or_of_another_size_are_refused(broker_factory: Brok
         assert answer(sock, request_id, final=True)["ok"]
 
 
-def test_a_frame_over_the_limit_is_refused_by_libzmq_and_the_client_says_so(broker_factory: BrokerFactory) -> None:
-    broker = broker_factory("--workers", "1", "--max-frame-bytes", FRAME)
+def test_a_frame_over_the_limit_is_refused_by_libzmq_and_the_client_says_so(framed_broker: RunningBroker) -> None:
+    broker = framed_broker
     with raw_socket(broker.url) as sock:
         request_id = uuid.uuid4().hex
         send(sock, protocol.HEALTH, {"request_id": request_id}, bytes(2 << 20))
