@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from kcoral import AsyncClient, Client, KCoralError, Program
+from tests.helpers import RunningBroker, start_broker
 
 GPU_WORK = """
 import os, time
@@ -60,8 +62,16 @@ def test_one_gpu_two_workers_take_turns_and_cpu_only_needs_no_lease(broker_facto
     assert cpu.lease_held_ms == 0 and cpu.lease_wait_ms == 0
 
 
-def test_two_gpus_run_at_the_same_time(broker_factory) -> None:  # type: ignore[no-untyped-def]
-    broker = broker_factory("--fake-gpus", "2")
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
+    """A broker with two fake GPUs, one worker each, for the tests that only run programs on it."""
+    broker = start_broker(tmp_path_factory.mktemp("two-gpus"), "--fake-gpus", "2")
+    yield broker
+    broker.stop()
+
+
+def test_two_gpus_run_at_the_same_time(two_gpus: RunningBroker) -> None:
+    broker = two_gpus
     a, b = asyncio.run(run_all(broker.url, [(sleeper(1.0), {}), (sleeper(1.0), {})]))
     assert overlap(a.results["span"], b.results["span"])
     assert sorted(a.gpu_ids + b.gpu_ids) == [0, 1]
@@ -94,8 +104,8 @@ def test_multi_gpu_sets_all_or_nothing_and_no_starvation(broker_factory) -> None
             assert single.results["span"]["start"] >= big.results["span"]["end"] - 0.05
 
 
-def test_gpu_count_validation(broker_factory) -> None:  # type: ignore[no-untyped-def]
-    broker = broker_factory("--fake-gpus", "2")
+def test_gpu_count_validation(two_gpus: RunningBroker) -> None:
+    broker = two_gpus
     with Client(broker.url) as client:
         with pytest.raises(KCoralError) as info:
             client.execute(sleeper(0.0), gpu_count=3)
