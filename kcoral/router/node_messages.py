@@ -19,7 +19,15 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.router.nodes import Node, RouterRequest, parse_load_report, parse_quiet_seconds, parse_registration
+from kcoral.router.nodes import (
+    Node,
+    NodeState,
+    RouterRequest,
+    RouterRequestState,
+    parse_load_report,
+    parse_quiet_seconds,
+    parse_registration,
+)
 from kcoral.router.settings import RouterSettings
 from kcoral.service.sockets import send_now
 
@@ -149,8 +157,8 @@ class NodeMessages:
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
             self.port.uploads_done(request)
-        if state in ("queued", "running"):
-            request.state = state
+        if state in (RouterRequestState.QUEUED, RouterRequestState.RUNNING):
+            request.state = RouterRequestState(state)
             gpu_ids = body.get("gpu_ids")
             if isinstance(gpu_ids, list):
                 request.gpu_ids = tuple(g for g in gpu_ids if isinstance(g, int))
@@ -166,7 +174,7 @@ class NodeMessages:
 
     def lose(self, node: Node, reason: str) -> None:
         self.nodes.pop(node.identity, None)
-        node.state = "lost"
+        node.state = NodeState.LOST
         node.lost_reason = reason
         lost = list(node.requests.values())
         log.warning("node_lost", node=node.node_id, reason=reason, requests=len(lost))

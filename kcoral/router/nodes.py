@@ -12,12 +12,29 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from kcoral import protocol
 
 NODE_STATUSES = ("ok", "draining")
 MAX_QUIET_SECONDS = protocol.MAX_TIMEOUT_SECONDS  # the most silence a node may announce
+
+
+class RouterRequestState(StrEnum):
+    """Where a program is, as the router knows it: queued here, then dispatched to a node, and
+    queued or running there as the node's PARTIALs say."""
+
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    RUNNING = "running"
+
+
+class NodeState(StrEnum):
+    """A node the router knows: live until it is lost (silent, gone or unreachable)."""
+
+    LIVE = "live"
+    LOST = "lost"
 
 
 @dataclass(eq=False)
@@ -29,9 +46,9 @@ class RouterRequest:
     frames: list[Any] | None  # the EXECUTE as received, kept until it goes to a node
     received_at: float = field(default_factory=time.monotonic)
     node: Node | None = None
-    # What the node last said of it (PARTIAL): "queued" here, then "dispatched", "queued" or
-    # "running" at the node; for kcoral status.
-    state: str = "queued"
+    # What the node last said of it (PARTIAL): queued here, then dispatched, queued or running at
+    # the node; for kcoral status.
+    state: RouterRequestState = RouterRequestState.QUEUED
     gpu_ids: tuple[int, ...] = ()
     owner: bytes = b""  # fair-share identity: the CURVE key, or the connection (as in the broker)
     sizes: dict[str, int] = field(default_factory=dict)  # each blob's declared size
@@ -59,7 +76,7 @@ class Node:
     last_heard: float = field(default_factory=time.monotonic)
     # Until then the node may be silent: it announced that it is storing a large upload.
     quiet_until: float = 0.0
-    state: str = "live"
+    state: NodeState = NodeState.LIVE
     # False after a send to it failed; true again at its next message.
     reachable: bool = True
     requests: dict[str, RouterRequest] = field(default_factory=dict)
@@ -77,7 +94,7 @@ class Node:
 
     @property
     def dispatchable(self) -> bool:
-        return self.state == "live" and self.status == "ok" and self.reachable and self.free_slots > 0
+        return self.state == NodeState.LIVE and self.status == "ok" and self.reachable and self.free_slots > 0
 
     def busyness(self) -> float:
         return len(self.requests) / max(1, self.capacity)
@@ -95,7 +112,9 @@ class Node:
     def describe(self, now: float) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
-            "state": self.state if self.state != "live" else ("draining" if self.status == "draining" else "live"),
+            "state": self.state.value
+            if self.state != NodeState.LIVE
+            else ("draining" if self.status == "draining" else "live"),
             "hostname": self.hostname,
             "instance_id": self.instance_id,
             "gpus": self.gpu_count,

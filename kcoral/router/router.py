@@ -55,6 +55,7 @@ from kcoral.router.node_messages import NodeMessages
 from kcoral.router.nodes import (
     Node,
     RouterRequest,
+    RouterRequestState,
     choose_node,
     merged_target,
 )
@@ -290,7 +291,7 @@ class Router:
             node.reachable = False  # not chosen again until it is heard from
             return False
         request.node = node
-        request.state = "dispatched"
+        request.state = RouterRequestState.DISPATCHED
         request.frames = None  # the node has the program and its attached blobs now
         node.requests[request.id] = request
         node.dispatched += 1
@@ -383,7 +384,7 @@ class Router:
             {
                 "request_id": r.id,
                 "client": r.client.decode(errors="replace"),
-                "state": r.state,
+                "state": r.state.value,
                 "age_s": round(now - r.received_at, 3),
                 "gpu_ids": list(r.gpu_ids),
                 "node": r.node.node_id if r.node is not None else None,
