@@ -35,6 +35,7 @@ class RecordingRouter:
     finished: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, kind)
     relayed: list[tuple[bytes, str]] = field(default_factory=list)  # (client, request_id)
+    uploaded: list[str] = field(default_factory=list)  # requests whose node holds every blob
 
     def dispatch(self) -> None:
         self.dispatches += 1
@@ -49,6 +50,12 @@ class RecordingRouter:
 
     def relay(self, client: bytes, message: list[Any], request_id: str) -> None:
         self.relayed.append((client, request_id))
+
+    def uploads_asked(self, request: RouterRequest, body: dict[str, Any]) -> bool:
+        return True  # no upload bounds here: the node's ask goes on to the client
+
+    def uploads_done(self, request: RouterRequest) -> None:
+        self.uploaded.append(request.id)
 
 
 @dataclass
