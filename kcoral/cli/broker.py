@@ -239,39 +239,49 @@ def run_broker(args: argparse.Namespace) -> int:
             shutil.rmtree(temporary_run_dir, ignore_errors=True)
 
 
+# The flags whose value a BrokerSettings field takes as it is (the flag's dest is the field's name);
+# the others are read below.
+SAME_NAME_FIELDS = (
+    "gpus",
+    "fake_gpus",
+    "sandbox",
+    "max_programs_per_worker",
+    "cuda_context",
+    "gpu_handover",
+    "cache_dir",
+    "cache_bytes",
+    "cache_disk_bytes",
+    "max_response_bytes",
+    "run_dir",
+    "upstream",
+    "node_id",
+)
+# Flags left out (None) for the field's own default, which resolve() may decide from the host.
+DEFAULTED_FIELDS = ("workers_per_gpu", "workers")
+# The flag of each worker limit (kcoral.worker.limits' names).
+LIMIT_FLAGS = {
+    "memory_bytes": "memory_limit",
+    "processes": "max_processes",
+    "file_size_bytes": "max_file_bytes",
+    "open_files": "max_open_files",
+    "workspace_bytes": "max_workspace_bytes",
+}
+
+
 def broker_settings(args: argparse.Namespace, security: Any, upstream_keys: Any) -> BrokerSettings:
     """The BrokerSettings that the flags ask for, before the broker decides the rest (``resolve``):
     a flag left out gives the field's own default."""
-    given_limits = {
-        "memory_bytes": args.memory_limit,
-        "processes": args.max_processes,
-        "file_size_bytes": args.max_file_bytes,
-        "open_files": args.max_open_files,
-        "workspace_bytes": args.max_workspace_bytes,
-    }
+    limits = {name: getattr(args, flag) for name, flag in LIMIT_FLAGS.items() if getattr(args, flag) is not None}
     return BrokerSettings(
         **shared_settings(args, security),
+        **{name: getattr(args, name) for name in SAME_NAME_FIELDS},
+        **{name: getattr(args, name) for name in DEFAULTED_FIELDS if getattr(args, name) is not None},
         device=args.device or "auto",
-        gpus=args.gpus,
-        fake_gpus=args.fake_gpus,
-        **({"workers_per_gpu": args.workers_per_gpu} if args.workers_per_gpu is not None else {}),
-        **({"workers": args.workers} if args.workers is not None else {}),
-        sandbox=args.sandbox,
         sandbox_readonly_paths=tuple(args.sandbox_readonly_path),
-        max_programs_per_worker=args.max_programs_per_worker,
-        cuda_context=args.cuda_context,
         session_idle_seconds=args.session_idle,
         session_max_seconds=args.session_max,
-        gpu_handover=args.gpu_handover,
-        cache_dir=args.cache_dir,
-        cache_bytes=args.cache_bytes,
-        cache_disk_bytes=args.cache_disk_bytes,
-        max_response_bytes=args.max_response_bytes,
         negotiation_timeout_seconds=args.negotiation_timeout or NEGOTIATION_TIMEOUT_SECONDS,
-        run_dir=args.run_dir,
-        limits={name: value for name, value in given_limits.items() if value is not None},
-        upstream=args.upstream,
-        node_id=args.node_id,
+        limits=limits,
         upstream_keys=upstream_keys,
     )
 
