@@ -19,6 +19,7 @@ from kcoral.workloads import bracket, harness
 from kcoral.workloads.channel import MessageReader, deadline_after, send_message
 from kcoral.workloads.format import load_workload
 from kcoral.workloads.ipc import BufferMeta
+from kcoral.workloads.session import OUTPUTS_KEPT, Reservoir, RoleFailed, RoleResult, Session, fresh_seed
 
 torch = pytest.importorskip("torch")
 
@@ -35,13 +36,13 @@ def reference(x):
 """
 
 
-def _session(tmp_path: Path, stub: str, role: str = "candidate") -> harness.Session:
+def _session(tmp_path: Path, stub: str, role: str = "candidate") -> Session:
     folder = tmp_path / "double"
     folder.mkdir(exist_ok=True)
     (folder / "workload.py").write_text(WORKLOAD)
     script = tmp_path / "stub.py"
     script.write_text(textwrap.dedent(stub))
-    session = harness.Session(
+    session = Session(
         None, load_workload(folder, f"kcoral_test_wl_{tmp_path.name}"), None, 30.0, [sys.executable, str(script)]
     )
     session.spawn()
@@ -63,7 +64,7 @@ reader = MessageReader(0, lambda: 30.0)
 def test_the_candidates_process_starts_with_nothing_of_the_harness(tmp_path: Path) -> None:
     """No argument, no seed in its environment, no descriptor but its stdin (a socket) and an
     stdout and stderr that are the harness's stderr."""
-    seed = harness.fresh_seed()
+    seed = fresh_seed()
     out = tmp_path / "seen.json"
     session = _session(
         tmp_path,
@@ -132,7 +133,7 @@ def test_a_candidate_that_leaves_cleanly_in_the_middle_fails_with_integrity(tmp_
 def test_a_crashed_candidate_is_a_role_failure(tmp_path: Path) -> None:
     session = _session(tmp_path, STUB_PROLOGUE + "os._exit(3)\n")
     try:
-        with pytest.raises(harness.RoleFailed) as caught:
+        with pytest.raises(RoleFailed) as caught:
             session.expect("queued")
         assert caught.value.error["kind"] == "runtime" and "exit status 3" in caught.value.error["message"]
     finally:
@@ -145,7 +146,7 @@ def test_an_error_answer_is_a_role_failure_with_its_kind(tmp_path: Path) -> None
         STUB_PROLOGUE + 'send_message(0, {"type": "error", "kind": "compile", "message": "no custom_kernel"})\n',
     )
     try:
-        with pytest.raises(harness.RoleFailed) as caught:
+        with pytest.raises(RoleFailed) as caught:
             session.expect("loaded")
         assert caught.value.error["kind"] == "compile"
     finally:
@@ -191,7 +192,7 @@ def test_the_runner_takes_no_argument() -> None:
 
     source = Path(runner.__file__).read_text()
     assert "sys.argv" not in source and "os.environ" not in source
-    assert harness.Session(None, None, None, 1.0).command == [sys.executable, "-m", "kcoral.workloads.runner"]  # type: ignore[arg-type]
+    assert Session(None, None, None, 1.0).command == [sys.executable, "-m", "kcoral.workloads.runner"]  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- bracket arithmetic
@@ -262,8 +263,8 @@ def test_host_time_is_judged_against_the_baseline_of_the_same_run() -> None:
 
 
 def test_a_half_stale_candidate_passes_the_checks_rarely() -> None:
-    assert bracket.stale_pass_probability(harness.OUTPUTS_KEPT, 0.5) == pytest.approx(0.5**16)
-    assert bracket.stale_pass_probability(harness.OUTPUTS_KEPT, 0.5) < 2e-5
+    assert bracket.stale_pass_probability(OUTPUTS_KEPT, 0.5) == pytest.approx(0.5**16)
+    assert bracket.stale_pass_probability(OUTPUTS_KEPT, 0.5) < 2e-5
 
 
 def test_the_reservoir_keeps_each_call_with_the_same_chance() -> None:
@@ -272,7 +273,7 @@ def test_the_reservoir_keeps_each_call_with_the_same_chance() -> None:
     draws = random.Random(7)
     counts = [0] * 110
     for _ in range(3000):
-        reservoir = harness.Reservoir(16, draws.randrange)
+        reservoir = Reservoir(16, draws.randrange)
         slots: dict[int, int] = {}
         for call in range(110):
             slot = reservoir.slot()
@@ -293,9 +294,9 @@ def test_speedup() -> None:
 # ----------------------------------------------------------------------------- report fields
 
 
-def _role(name: str, cupti: float, brackets: list[float], reasons: list[str] | None = None) -> harness.RoleResult:
+def _role(name: str, cupti: float, brackets: list[float], reasons: list[str] | None = None) -> RoleResult:
     timing = {"latency_ms_median": cupti, "method": "cupti", "integrity": {"verdict": "ok", "reasons": reasons or []}}
-    return harness.RoleResult(name, brackets_ms=brackets, host_ms=[0.3] * len(brackets), timing=timing)
+    return RoleResult(name, brackets_ms=brackets, host_ms=[0.3] * len(brackets), timing=timing)
 
 
 def test_the_timing_section_names_both_figures() -> None:
@@ -451,7 +452,7 @@ def test_an_output_of_another_shape_is_refused_when_handed_over(no_cuda_sync: No
         right.close()
 
 
-def _measure_session(tmp_path: Path, stub: str) -> harness.Session:
+def _measure_session(tmp_path: Path, stub: str) -> Session:
     session = _session(tmp_path, stub)
     session.torch = torch
     output = _Buffer(torch.zeros(4))
@@ -476,7 +477,7 @@ send_message(0, {"type": "timing", "report": {"latency_ms_median": 0.05}})
 
 def test_the_harness_keeps_a_sample_of_the_timers_outputs(tmp_path: Path, no_cuda_sync: None) -> None:
     session = _measure_session(tmp_path, MEASURE_STUB)
-    result = harness.RoleResult("candidate")
+    result = RoleResult("candidate")
     try:
         assert session.measure(result, keep=8) == {"latency_ms_median": 0.05}
     finally:
@@ -499,7 +500,7 @@ def test_the_timers_requests_are_checked(tmp_path: Path, no_cuda_sync: None, lie
     session = _measure_session(tmp_path, STUB_PROLOGUE + "reader.read()\n" + lie + "\nreader.read()\n")
     try:
         with pytest.raises(ExecutionError) as caught:
-            session.measure(harness.RoleResult("candidate"), keep=4)
+            session.measure(RoleResult("candidate"), keep=4)
         assert caught.value.kind == "integrity"
     finally:
         session.close()

@@ -6,8 +6,10 @@ and timing; the service runs the candidate in a process of its own and checks it
   (length-prefixed JSON headers, tensors as raw bytes; nothing is pickled).
 - ``workloads.runner``: the candidate's process (``python -m kcoral.workloads.runner``): arms the
   timer, times the baseline, only then imports the candidate and times it.
-- ``workloads.harness``: the trusted side, in the worker: fresh seeds every run, the reference,
-  the checks of every output it receives, the report.
+- ``workloads.session``: the trusted side's link to the candidate's process, in the worker: fresh
+  seeds every call, the shared buffers, the bracketed batches and the outputs it keeps.
+- ``workloads.harness``: the trusted side's report: the reference, the checks of every output it
+  kept, the timing sections and the verdict.
 
 Shipped examples live in ``examples/workloads/`` (an elementwise add and a bf16 matmul).
 """

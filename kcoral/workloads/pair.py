@@ -43,15 +43,8 @@ from kcoral.timing.ab_stats import (
 from kcoral.timing.findings import verdict
 from kcoral.workloads import bracket
 from kcoral.workloads.format import load_workload
-from kcoral.workloads.harness import (
-    OUTPUTS_KEPT,
-    WARM_BATCHES,
-    Reservoir,
-    RoleResult,
-    Session,
-    check_role,
-    fresh_seed,
-)
+from kcoral.workloads.harness import check_role
+from kcoral.workloads.session import OUTPUTS_KEPT, WARM_BATCHES, Reservoir, RoleResult, Session, fresh_seed
 
 SIDES: Final = ("a", "b")
 DEFAULT_TARGET_HALFWIDTH: Final = 0.005
