@@ -79,8 +79,8 @@ def test_compare_checks_again_after_its_untimed_calls_and_looks_nothing_up_after
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef)
-        and any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_check" for c in ast.walk(node))
+        and any(isinstance(c, ast.Call) and ast.unparse(c.func) == "check_side" for c in ast.walk(node))
     )
     names = [(c.lineno, ast.unparse(c.func)) for c in _calls(holder)]
     last_check = max(line for line, name in names if name == "fail_on_changes")
-    assert max(line for line, name in names if name == "_check") < last_check
+    assert max(line for line, name in names if name == "check_side") < last_check

@@ -22,6 +22,8 @@ holds the machinery, one role per module:
 - ``timing.ab_config``, ``timing.ab_stats``: ``compare``'s settings and its statistics (paired
   rounds, the bootstrap interval of B/A, the verdict, the adaptive stop; pure).
 - ``timing.compare``: ``compare``, A against B in interleaved rounds with ``benchmark``'s defences.
+- ``timing.ab_rounds``, ``timing.ab_report``: ``compare``'s sides and rounds (one block of calls, the
+  samples left out by the clock, the adaptive stop), and its report of each side and of the clock.
 - ``timing.seeds``: the seeds a program's measurements drew, for the result's ``provenance``.
 
 Like ``kcoral.builtins``, nothing here imports torch, cupti-python or pynvml at module level: uploaded
