@@ -58,7 +58,7 @@ def test_the_last_check_follows_the_untimed_calls_of_the_output_check() -> None:
     calls = _calls(_function(Path(benchmark.__file__).read_text(), "_measure"))
     names = [(c.lineno, ast.unparse(c.func)) for c in calls]
     last_check = max(line for line, name in names if name == "fail_on_changes")
-    assert max(line for line, name in names if name == "check_outputs") < last_check
+    assert max(line for line, name in names if name == "check_kept") < last_check
 
 
 def test_the_device_name_is_a_reference_taken_at_arm() -> None:

@@ -11,7 +11,8 @@ from typing import Any
 from kcoral.timing.ab_rounds import Side
 from kcoral.timing.ab_stats import noise
 from kcoral.timing.calibrate import DefenceTime
-from kcoral.timing.inputs import KeptOutput, OutputCheck, check_outputs, snapshot
+from kcoral.timing.calls import check_kept
+from kcoral.timing.inputs import OutputCheck
 from kcoral.timing.stats import summarize
 from kcoral.timing.timers import UNHELD_MEASURE, CuptiTimer
 from kcoral.timing.trust import Trusted
@@ -21,23 +22,8 @@ def check_side(torch: Any, trusted: Trusted, side: Side, check: OutputCheck | No
     """Check the side's kept outputs as ``benchmark`` does; the number checked."""
     if check is None and not side.check_again:
         return 0
-    runner = side.ready.runner
-
-    def again(kept: KeptOutput) -> Any:
-        # The candidate's own output for the same inputs, untimed: what a timed call must return.
-        output = runner.call(kept.inputs)
-        runner.synchronize()
-        with trusted.plain_torch():
-            return snapshot(torch, output)
-
     with spent.step("outputs"):
-        return check_outputs(
-            torch,
-            side.reservoir.kept,
-            check=check,
-            expected=again if check is None else None,
-            assert_close=torch.testing.assert_close,
-        )
+        return check_kept(torch, trusted, side.ready.runner, side.reservoir.kept, check)
 
 
 def describe_side(side: Side, outputs_checked: int) -> dict[str, Any]:

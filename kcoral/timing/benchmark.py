@@ -29,6 +29,7 @@ from kcoral.timing.calibrate import (
     wait_for_cool_gpu,
     warm_up,
 )
+from kcoral.timing.calls import check_kept
 from kcoral.timing.conditions import CoolWait, gpu_conditions
 from kcoral.timing.config import BenchmarkConfig, split_config
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
@@ -41,10 +42,8 @@ from kcoral.timing.inputs import (
     KeptOutput,
     OutputCheck,
     OutputReservoir,
-    check_outputs,
     keep_outputs_always,
     plan_inputs,
-    snapshot,
 )
 from kcoral.timing.nvml import SLOWDOWN_MASK, Nvml, clock_state, throttle_reason_names
 from kcoral.timing.stats import count_from_budget, summarize
@@ -269,22 +268,8 @@ def _measure(setup: _Setup, ready: Calibration, nvml: Nvml | None, repeat: int) 
             raise ExecutionError("integrity", describe_changes(measurement.tampering))
     outputs_checked = 0
     if defences and (check is not None or check_again):
-
-        def again(kept: KeptOutput) -> Any:
-            # The candidate's own output for the same inputs, untimed: what a timed call must return.
-            output = runner.call(kept.inputs)
-            runner.synchronize()
-            with trusted.plain_torch():
-                return snapshot(torch, output)
-
         with spent.step("outputs"):
-            outputs_checked = check_outputs(
-                torch,
-                measurement.kept,
-                check=check,
-                expected=again if check is None else None,
-                assert_close=torch.testing.assert_close,
-            )
+            outputs_checked = check_kept(torch, trusted, runner, measurement.kept, check)
         # The checks above called the user's function again: whatever it changed then is seen now,
         # before anything of the report is made (from here on no user code runs).
         with spent.step("trusted_state"):

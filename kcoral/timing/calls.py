@@ -9,12 +9,12 @@ into latencies are in ``kcoral.timing.timers``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.timing.cupti import GAP_ID_OFFSET, HOLD_ID_OFFSET, SENTINEL_ID_OFFSET, CuptiTracer
-from kcoral.timing.inputs import InputPlan, KeptOutput, OutputReservoir, snapshot
+from kcoral.timing.inputs import InputPlan, KeptOutput, OutputCheck, OutputReservoir, check_outputs, snapshot
 from kcoral.timing.trust import Trusted
 from kcoral.timing.windows import CallWindow
 
@@ -120,6 +120,28 @@ class Runner:
         end.synchronize()
         elapsed_us = float(start.elapsed_time(end)) * 1e3
         return HOLD_CALIBRATION_CYCLES / elapsed_us if elapsed_us > 0 else None
+
+
+def check_kept(
+    torch: Any, trusted: Trusted, runner: Runner, kept: Sequence[KeptOutput], check: OutputCheck | None
+) -> int:
+    """Check the kept outputs of ``runner``'s timed calls (``check_outputs``): by ``check`` where
+    given, otherwise each against the candidate's own output for the same inputs; the number checked."""
+
+    def again(kept: KeptOutput) -> Any:
+        # The candidate's own output for the same inputs, untimed: what a timed call must return.
+        output = runner.call(kept.inputs)
+        runner.synchronize()
+        with trusted.plain_torch():
+            return snapshot(torch, output)
+
+    return check_outputs(
+        torch,
+        kept,
+        check=check,
+        expected=again if check is None else None,
+        assert_close=torch.testing.assert_close,
+    )
 
 
 @dataclass
