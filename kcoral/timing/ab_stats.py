@@ -149,6 +149,21 @@ def decide(interval: Interval, threshold: float = DEFAULT_THRESHOLD) -> str:
     return VERDICT_UNCLEAR
 
 
+def answer(interval: Interval, threshold: float, integrity_verdict: str) -> dict[str, Any]:
+    """The report's answer: the verdict (``unclear`` where the run's integrity verdict is not
+    ``ok``), the one the interval gives (``verdict_if_trusted``), and the ratio B/A with its
+    interval."""
+    statistical = decide(interval, threshold)
+    return {
+        "verdict": statistical if integrity_verdict == "ok" else VERDICT_UNCLEAR,
+        "verdict_if_trusted": statistical,
+        "ratio": interval.estimate,
+        "ratio_low": interval.low,
+        "ratio_high": interval.high,
+        "halfwidth": interval.halfwidth,
+    }
+
+
 def stop_reason(
     *,
     rounds: int,

@@ -41,8 +41,7 @@ from kcoral.timing.ab_rounds import Side, run_rounds
 from kcoral.timing.ab_stats import (
     BOOTSTRAP_RESAMPLES,
     METHOD,
-    VERDICT_UNCLEAR,
-    decide,
+    answer,
     ratio_interval,
 )
 from kcoral.timing.calibrate import (
@@ -223,16 +222,10 @@ def _run(
         if gap is not None:
             reasons.append(f"{side.name.upper()}: {gap}")
     reasons.extend(clock.pop("reasons"))
-    statistical = decide(final, settings.threshold)
     integrity = verdict(reasons)
     medians = (described["a"]["latency_ms_median"], described["b"]["latency_ms_median"])
     return {
-        "verdict": statistical if integrity["verdict"] == "ok" else VERDICT_UNCLEAR,
-        "verdict_if_trusted": statistical,
-        "ratio": final.estimate,
-        "ratio_low": final.low,
-        "ratio_high": final.high,
-        "halfwidth": final.halfwidth,
+        **answer(final, settings.threshold, integrity["verdict"]),
         "contains_one": final.contains(1.0),
         "ratio_of_medians": medians[1] / medians[0] if medians[0] else None,
         "confidence": settings.confidence,

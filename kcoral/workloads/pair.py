@@ -32,9 +32,8 @@ from kcoral.timing.ab_stats import (
     DEFAULT_THRESHOLD,
     METHOD,
     STOP_MAX_ROUNDS,
-    VERDICT_UNCLEAR,
     Interval,
-    decide,
+    answer,
     noise,
     ratio_interval,
     round_ratio,
@@ -243,19 +242,13 @@ def evaluate_pair(
     if not done.ratios:
         raise ExecutionError("unavailable", "no round of the comparison gave a ratio (a net time was not positive)")
     final = ratio_interval(done.ratios, resamples=BOOTSTRAP_RESAMPLES, seed=interval_seed)
-    statistical = decide(final, settings.threshold)
     integrity = verdict(reasons)
     a_ms, b_ms = (_summary(done.net_ms[name])["latency_ms_median"] for name in SIDES)
     return {
         "workload": workload.name,
         "evaluated": "pair",
         "correct": all(not checks[name]["failures"] for name in SIDES),
-        "verdict": statistical if integrity["verdict"] == "ok" else VERDICT_UNCLEAR,
-        "verdict_if_trusted": statistical,
-        "ratio": final.estimate,
-        "ratio_low": final.low,
-        "ratio_high": final.high,
-        "halfwidth": final.halfwidth,
+        **answer(final, settings.threshold, integrity["verdict"]),
         "ratio_of_medians": b_ms / a_ms if a_ms and b_ms else None,
         "threshold": settings.threshold,
         "interval_method": METHOD,
