@@ -6,7 +6,7 @@ pynvml is imported inside ``Nvml.open``: this module is imported with ``kcoral.b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 # The clock is "steady" once this many NVML samples, at least this far apart, lie within this
@@ -126,36 +126,30 @@ class Nvml:
                 busy[pid] = max(busy.get(pid, 0), sm)
         return busy
 
-    def max_sm_clock_mhz(self) -> int | None:
+    def _read_int(self, read: Callable[[Any, Any], Any]) -> int | None:
+        """``read(pynvml, handle)`` as an int, or None where NVML cannot answer (an NVML error, or a
+        function or field this pynvml lacks)."""
         try:
-            return int(self._nvml.nvmlDeviceGetMaxClockInfo(self._handle, self._nvml.NVML_CLOCK_SM))
+            return int(read(self._nvml, self._handle))
         except (self._nvml.NVMLError, AttributeError):
             return None
+
+    def max_sm_clock_mhz(self) -> int | None:
+        return self._read_int(lambda nvml, handle: nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM))
 
     def memory_clock_mhz(self) -> int | None:
-        try:
-            return int(self._nvml.nvmlDeviceGetClockInfo(self._handle, self._nvml.NVML_CLOCK_MEM))
-        except (self._nvml.NVMLError, AttributeError):
-            return None
+        return self._read_int(lambda nvml, handle: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM))
 
     def temperature_c(self) -> int | None:
-        try:
-            return int(self._nvml.nvmlDeviceGetTemperature(self._handle, self._nvml.NVML_TEMPERATURE_GPU))
-        except (self._nvml.NVMLError, AttributeError):
-            return None
+        return self._read_int(lambda nvml, handle: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
 
     def utilization_pct(self) -> int | None:
         """The share of the last sample period (1/6 s to 1 s) in which a kernel ran, any process's."""
-        try:
-            return int(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-        except (self._nvml.NVMLError, AttributeError):
-            return None
+        return self._read_int(lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
 
     def power_w(self) -> float | None:
-        try:
-            return round(int(self._nvml.nvmlDeviceGetPowerUsage(self._handle)) / 1000, 1)
-        except (self._nvml.NVMLError, AttributeError):
-            return None
+        milliwatts = self._read_int(lambda nvml, handle: nvml.nvmlDeviceGetPowerUsage(handle))
+        return round(milliwatts / 1000, 1) if milliwatts is not None else None
 
     def clock_event_reasons(self) -> int | None:
         for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
