@@ -82,18 +82,19 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, not {text!r}") from None
 
 
-def positive(text: str) -> int:
+def integer_at_least(text: str, low: int) -> int:
     value = integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
     return value
+
+
+def positive(text: str) -> int:
+    return integer_at_least(text, 1)
 
 
 def non_negative(text: str) -> int:
-    value = integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+    return integer_at_least(text, 0)
 
 
 def seconds(text: str) -> float:
