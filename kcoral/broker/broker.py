@@ -255,17 +255,17 @@ class Broker:
 
     def _retire_idle_worker(self) -> None:
         worker = self.pool.take_any_idle()
-        log.info("worker_retired", worker=worker.identity.decode(), reason="serves other GPUs")
+        log.info("worker_retired", worker=worker.name, reason="serves other GPUs")
         self.lazy_asked.add(worker.slot)
-        self.supervisor.kill_worker(worker.slot, worker.identity.decode(), lazy_next=True)
+        self.supervisor.kill_worker(worker.slot, worker.name, lazy_next=True)
 
     def end_session(self, session: Session, why: str) -> None:
         """End a session whose worker has no program: its worker is retired (the GPU lease goes back
         at its exit, as any worker's) and its client's next session program starts a new one."""
         self.sessions.end(session)
-        log.info("session_ended", worker=session.worker.identity.decode(), programs=session.programs, reason=why)
+        log.info("session_ended", worker=session.worker.name, programs=session.programs, reason=why)
         if session.worker.request_id is None and not session.worker.exited:
-            self.supervisor.prepare_next_worker(session.worker.slot, session.worker.identity.decode(), gpu_used=True)
+            self.supervisor.prepare_next_worker(session.worker.slot, session.worker.name, gpu_used=True)
 
     def worker_joined(self, worker: Worker) -> None:
         """A worker said READY and may take programs: a slot asked for one without a context has it."""
@@ -324,7 +324,7 @@ class Broker:
             message = protocol.message(protocol.PROGRAM, body, *frames)
             send_now(self.backend, [worker.identity, *message])
         except zmq.ZMQError as exc:
-            log.warning("worker_unreachable", worker=worker.identity.decode(), error=str(exc))
+            log.warning("worker_unreachable", worker=worker.name, error=str(exc))
             self.pool.forget(worker)
             worker.request_id = None
             request.state = RequestState.QUEUED
@@ -337,7 +337,7 @@ class Broker:
         log.info(
             "request_started",
             request_id=request.id,
-            worker=worker.identity.decode(),
+            worker=worker.name,
             gpu=list(request.gpu_ids),
             queue_ms=round((request.started_at - request.queued_at) * 1000, 2),
             blob_frames=len(frames),
@@ -352,7 +352,7 @@ class Broker:
             "request_timeout",
             request_id=request.id,
             timeout_s=request.options.timeout_seconds,
-            worker=request.worker.identity.decode() if request.worker else None,
+            worker=request.worker.name if request.worker else None,
         )
         self._finish_error(
             request,
@@ -408,7 +408,7 @@ class Broker:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
             self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot, worker.identity.decode())
+            self.supervisor.kill_worker(worker.slot, worker.name)
         self.dispatch()
 
     def fail(self, request: Request, kind: str, message: str) -> None:

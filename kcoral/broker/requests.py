@@ -37,6 +37,11 @@ class Worker:
     # where it made its CUDA context ahead. None: any.
     gpu_view: tuple[int, ...] | None = None
 
+    @property
+    def name(self) -> str:
+        """The identity as text: what the zygote link, the slots and the logs call the worker."""
+        return self.identity.decode()
+
 
 @dataclass
 class Request:

@@ -207,10 +207,10 @@ class WorkerMessages:
             self.pool.idle[worker.identity] = worker
         else:
             if info.get("retire_reason"):
-                log.info("worker_retired", worker=worker.identity.decode(), reason=info.get("retire_reason"))
+                log.info("worker_retired", worker=worker.name, reason=info.get("retire_reason"))
             if not worker.exited:
                 gpu_used = request.lease_times is not None  # its worker asked for and got the lease
-                self.supervisor.prepare_next_worker(worker.slot, worker.identity.decode(), gpu_used=gpu_used)
+                self.supervisor.prepare_next_worker(worker.slot, worker.name, gpu_used=gpu_used)
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.
@@ -272,7 +272,7 @@ class WorkerMessages:
         session = self.sessions.of_worker(worker.identity) if worker is not None else None
         if session is not None:
             self.sessions.end(session)
-            log.info("session_ended", worker=worker.identity.decode() if worker else None, programs=session.programs)
+            log.info("session_ended", worker=worker.name if worker else None, programs=session.programs)
 
     def on_gpu_free(self, worker: str) -> None:
         """The zygote killed a finished worker that had no GPU device open or mapped (nor had
@@ -343,7 +343,7 @@ class WorkerMessages:
         if worker is not None and not worker.exited:
             worker.request_id = None
             self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot, worker.identity.decode())
+            self.supervisor.kill_worker(worker.slot, worker.name)
         self.port.dispatch()
 
 
