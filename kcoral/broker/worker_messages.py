@@ -282,11 +282,11 @@ class WorkerMessages:
             self.leases.reclaim(holder)
 
     def on_exit(self, exit: WorkerExit) -> None:
-        holder = self.held_leases.pop(exit.worker.encode(), None)
+        holder = self.held_leases.pop(exit.identity, None)
         if holder is not None:
             # The worker and all it started are gone (the zygote says so only then): the GPU is free.
             self.leases.reclaim(holder)
-        session = self.sessions.of_worker(exit.worker.encode())
+        session = self.sessions.of_worker(exit.identity)
         if session is not None:
             self.sessions.end(session)
         worker = self.pool.exit(exit)

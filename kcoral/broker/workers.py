@@ -91,7 +91,7 @@ class WorkerPool:
     def exit(self, exit: WorkerExit) -> Worker | None:
         """Record a worker's exit; the worker if it was running a program (still known, marked
         exited: its RESULT may still be in the socket), else None (forgotten)."""
-        identity = exit.worker.encode()
+        identity = exit.identity
         self.exited[identity] = exit
         if len(self.exited) > MAX_REMEMBERED_EXITS:
             self.exited.pop(next(iter(self.exited)))

@@ -153,6 +153,11 @@ class WorkerExit:
     reason: str = ""  # why the zygote killed it (a limit it broke), when it did
     instruction_index: int | None = None  # what it was executing, as the zygote saw it
 
+    @property
+    def identity(self) -> bytes:
+        """The worker's routing identity (its name as bytes), as the broker's tables key it."""
+        return self.worker.encode()
+
     @classmethod
     def from_event(cls, slot: int, event: Mapping[str, Any]) -> WorkerExit:
         """The exit of an ``exited`` event's fields (a field of the wrong type reads as unknown)."""
