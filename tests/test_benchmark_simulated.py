@@ -247,3 +247,41 @@ def test_work_launched_between_the_calls_is_foreign(simulated_gpu: SimulatedTrac
     assert result["integrity"]["verdict"] == "suspect"
     assert any("between the timed calls" in reason for reason in result["integrity"]["reasons"]), result["integrity"]
     assert result["integrity_details"]["foreign_activities"] >= CONFIG["repeat"] - 1  # not before call 0
+
+
+def test_a_change_made_during_the_untimed_output_check_fails_with_integrity(simulated_gpu: SimulatedTracer) -> None:
+    """The kept outputs are checked by calling the function again, untimed, after the measurement's
+    own check: a change the function makes then (here: the summary the report is made with) is
+    caught before the report is made (the GPU twin is in tests/gpu/test_snapshot_gaps_gpu.py)."""
+    import sys
+
+    import kcoral.timing.benchmark as module
+
+    real = module.summarize
+    replaced: list[str] = []
+
+    def scaled(samples: Any) -> dict[str, Any]:
+        return {k: (v * 0.05 if isinstance(v, float) else v) for k, v in real(samples).items()}
+
+    def in_untimed_check() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name == "again":
+                return True
+            frame = frame.f_back
+        return False
+
+    def double(a: Any) -> Any:
+        if not replaced and in_untimed_check():
+            module.summarize = scaled  # type: ignore[assignment]
+            replaced.append("summarize")
+        return a * 2
+
+    try:
+        with pytest.raises(ExecutionError) as caught:
+            benchmark(double, torch.ones(4096), config=CONFIG)
+    finally:
+        module.summarize = real
+    assert replaced, "the untimed output check never called the function"
+    assert caught.value.kind == "integrity"
+    assert "summarize" in caught.value.message and "while the outputs were checked" in caught.value.message
