@@ -33,6 +33,7 @@ from kcoral.gpu_guard import GpuAccessGuard
 # rest of the body for the error, stdout and stderr (see kcoral.worker.result_bounds.bounded_result).
 MAX_RESULT_FRAMES = protocol.MAX_FRAMES - 3
 MAX_INLINE_RESULT_BYTES = protocol.MAX_BODY_BYTES - (8 << 20)
+NO_CUDA_MARKERS = ("torch not compiled with cuda enabled", "no cuda gpus are available", "found no nvidia driver")
 CUDA_POISON_MARKERS = (
     "illegal memory access",
     "illegal address",
@@ -276,12 +277,22 @@ class Interpreter:
             return fn(*args)
         except ExecutionError as exc:
             raise InstructionFailure(exc.kind, exc.message, _user_traceback(exc)) from exc
-        except AssertionError as exc:
+        except (AssertionError, RuntimeError) as exc:
+            if _is_no_cuda_here(exc):
+                # torch says so with an AssertionError ("Torch not compiled with CUDA enabled"),
+                # which is not a failed check of the program's own.
+                message = f"no CUDA GPU is usable in this worker (CPU workers have none): {describe_exception(exc)}"
+                raise InstructionFailure("unavailable", message, _user_traceback(exc)) from exc
+            if not isinstance(exc, AssertionError):
+                raise self._runtime_failure(exc) from exc
             raise InstructionFailure("correctness", describe_exception(exc), _user_traceback(exc)) from exc
         except BaseException as exc:
-            if _is_cuda_poison(exc):
-                self.retire_reason = f"CUDA context unusable: {exc}"
-            raise InstructionFailure("runtime", describe_exception(exc), _user_traceback(exc)) from exc
+            raise self._runtime_failure(exc) from exc
+
+    def _runtime_failure(self, exc: BaseException) -> InstructionFailure:
+        if _is_cuda_poison(exc):
+            self.retire_reason = f"CUDA context unusable: {exc}"
+        return InstructionFailure("runtime", describe_exception(exc), _user_traceback(exc))
 
     def _call_cpu_only(self, fn: Callable[..., Any], args: list[Any], name: str) -> Any:
         guard = GpuAccessGuard()
@@ -458,6 +469,12 @@ def _user_traceback(exc: BaseException) -> str:
         return "".join(traceback.format_exception(type(exc), exc, tb))
     except BaseException:  # the exception's own methods raised while being formatted
         return "".join(traceback.format_tb(tb)) + describe_exception(exc) + "\n"
+
+
+def _is_no_cuda_here(exc: BaseException) -> bool:
+    """torch's own words for a process that has no CUDA GPU to use."""
+    text = describe_exception(exc).lower()
+    return any(marker in text for marker in NO_CUDA_MARKERS)
 
 
 def _is_cuda_poison(exc: BaseException) -> bool:
