@@ -153,10 +153,12 @@ def brief(children, mib, bursts):
 """
 
 
+# Not strict: whether a sample lands inside a burst is chance (on a quiet 2-core VM it sometimes
+# does, and the program is killed), so the open hole shows as an xfail or, now and then, an xpass.
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="open: the watchdog samples every 50 ms, and no kernel peak of the whole tree (a memory "
-    "cgroup per program) is read; bursts shorter than a sample end COMPLETED",
+    "cgroup per program) is read; bursts shorter than a sample may end COMPLETED",
 )
 def test_memory_in_bursts_between_samples_is_caught_or_marked(broker: RunningBroker) -> None:
     result = execute(broker.url, program_of(BRIEF, "brief", 3, 450, 5))
