@@ -277,19 +277,18 @@ class Interpreter:
             return fn(*args)
         except ExecutionError as exc:
             raise InstructionFailure(exc.kind, exc.message, _user_traceback(exc)) from exc
-        except (AssertionError, RuntimeError) as exc:
-            if _is_no_cuda_here(exc):
-                # torch says so with an AssertionError ("Torch not compiled with CUDA enabled"),
-                # which is not a failed check of the program's own.
-                message = f"no CUDA GPU is usable in this worker (CPU workers have none): {describe_exception(exc)}"
-                raise InstructionFailure("unavailable", message, _user_traceback(exc)) from exc
-            if not isinstance(exc, AssertionError):
-                raise self._runtime_failure(exc) from exc
-            raise InstructionFailure("correctness", describe_exception(exc), _user_traceback(exc)) from exc
         except BaseException as exc:
-            raise self._runtime_failure(exc) from exc
+            raise self._failure(exc) from exc
 
-    def _runtime_failure(self, exc: BaseException) -> InstructionFailure:
+    def _failure(self, exc: BaseException) -> InstructionFailure:
+        """The kind a call's exception fails its instruction with."""
+        if isinstance(exc, AssertionError | RuntimeError) and _is_no_cuda_here(exc):
+            # torch says so with an AssertionError ("Torch not compiled with CUDA enabled"), which
+            # is not a failed check of the program's own.
+            message = f"no CUDA GPU is usable in this worker (CPU workers have none): {describe_exception(exc)}"
+            return InstructionFailure("unavailable", message, _user_traceback(exc))
+        if isinstance(exc, AssertionError):
+            return InstructionFailure("correctness", describe_exception(exc), _user_traceback(exc))
         if _is_cuda_poison(exc):
             self.retire_reason = f"CUDA context unusable: {exc}"
         return InstructionFailure("runtime", describe_exception(exc), _user_traceback(exc))
