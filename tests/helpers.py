@@ -3,6 +3,7 @@ is here. The fixtures built on these live in ``tests/conftest.py``."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Unpack
@@ -12,6 +13,18 @@ from kcoral.testing import RunningService as RunningBroker
 from kcoral.testing import free_port as free_port
 
 __all__ = ["BrokerFactory", "RunningBroker", "free_port", "has_gpu", "start_broker"]
+
+
+def called_from(name: str) -> bool:
+    """Whether a function of that name is on the stack above the caller of this function's caller:
+    for a candidate that acts only when the timer calls it from a given place (the timer calls
+    through its runner, so that place is a frame or more up)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def has_gpu() -> bool:

@@ -21,6 +21,7 @@ from kcoral.errors import ExecutionError
 from kcoral.timing import timers, trust
 from kcoral.timing.benchmark import benchmark
 from kcoral.timing.cupti import GAP_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, TraceRecords
+from tests.helpers import called_from
 
 torch = pytest.importorskip("torch")
 
@@ -253,8 +254,6 @@ def test_a_change_made_during_the_untimed_output_check_fails_with_integrity(simu
     """The kept outputs are checked by calling the function again, untimed, after the measurement's
     own check: a change the function makes then (here: the summary the report is made with) is
     caught before the report is made (the GPU twin is in tests/gpu/test_snapshot_gaps_gpu.py)."""
-    import sys
-
     import kcoral.timing.benchmark as module
 
     real = module.summarize
@@ -263,16 +262,8 @@ def test_a_change_made_during_the_untimed_output_check_fails_with_integrity(simu
     def scaled(samples: Any) -> dict[str, Any]:
         return {k: (v * 0.05 if isinstance(v, float) else v) for k, v in real(samples).items()}
 
-    def in_untimed_check() -> bool:
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code.co_name == "again":
-                return True
-            frame = frame.f_back
-        return False
-
     def double(a: Any) -> Any:
-        if not replaced and in_untimed_check():
+        if not replaced and called_from("again"):
             module.summarize = scaled  # type: ignore[assignment]
             replaced.append("summarize")
         return a * 2

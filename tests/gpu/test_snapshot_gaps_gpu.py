@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kcoral.errors import ExecutionError
+from tests.helpers import called_from
 
 torch = pytest.importorskip("torch")
 
@@ -50,17 +51,6 @@ def restore() -> Iterator[list[tuple[Any, str, Any]]]:
 def _replace(saved: list[tuple[Any, str, Any]], owner: Any, name: str, value: Any) -> None:
     saved.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
-
-
-def called_from(name: str) -> bool:
-    """Whether a function of that name is on the caller's stack (the timer calls the user's function
-    through its runner, so the untimed check is a frame or more up)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == name:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _honest_ms(a: Any, b: Any) -> float:
