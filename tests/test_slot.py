@@ -259,9 +259,14 @@ def close_every_descriptor():
 
 
 def test_1_a_program_that_closes_every_descriptor_it_has_fails_alone(service: Service) -> None:
-    # Its worker loses its socket to the broker: the worker, not the slot, dies of it.
+    # Its worker loses its socket to the broker: the worker, not the slot, dies of it. Or its RESULT
+    # still gets out, on a connection made after the program returned (the RESULT's own context
+    # opens its descriptors only then), if the worker is not aborted first: either is a true answer.
     result = execute(service.url, program_of(CLOSER, "close_every_descriptor", cpu_only=True), timeout_seconds=10)
-    assert_failed(result, "runtime", "worker exited")
+    if result.status == "COMPLETED":
+        assert result.results == {"out": "closed"}, result.results
+    else:
+        assert_failed(result, "runtime", "worker exited")
     assert_next_programs_untouched(service.url)
 
 
