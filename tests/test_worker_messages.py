@@ -25,13 +25,14 @@ from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor
 from kcoral.broker.worker_messages import WorkerMessages
 from kcoral.broker.workers import WORKER_EXIT_GRACE_SECONDS, WorkerPool
+from kcoral.protocol.worker_link import WorkerId
 from kcoral.protocol.zygote_link import WorkerExit
 from kcoral.service.shell import InFlightTable
 from tests.links import Link, loopback_link
 
 pytestmark = pytest.mark.timeout(60)
 
-WORKER = "w0-1"
+WORKER = WorkerId(b"w0-1")
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Harness:
 
     async def join(self) -> Worker:
         await self.deliver(protocol.READY, {"slot": 0, "pid": 10})
-        return self.side.pool.workers[WORKER.encode()]
+        return self.side.pool.workers[WORKER]
 
     def running(self, worker: Worker) -> Request:
         """Start a program on ``worker`` as the broker's dispatch does."""
@@ -88,7 +89,7 @@ class Harness:
 
 @asynccontextmanager
 async def worker_side() -> AsyncIterator[Harness]:
-    async with loopback_link(WORKER.encode()) as link:
+    async with loopback_link(WORKER) as link:
         states = {0: SlotState(SlotSpec(0, 0, Path("/tmp/slot-0"), ("zygote",)), worker=WORKER)}
         supervisor = Supervisor([states[0].spec], on_exit=lambda exit: None, states=states)
         requests: InFlightTable[Request] = InFlightTable()
@@ -122,7 +123,7 @@ def test_the_forked_worker_joins_and_then_the_broker_is_ready() -> None:
             await t.deliver(protocol.READY, {"slot": 7, "pid": 10})  # no such slot
             assert not t.side.pool.workers and not t.side.ready_announced
             await t.join()
-            assert set(t.side.pool.idle) == {WORKER.encode()}
+            assert set(t.side.pool.idle) == {WORKER}
             assert t.side.ready_announced and t.broker.dispatches == 1
 
     run(main)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.protocol.worker_link import worker_id
 from kcoral.protocol.zygote_link import (
     WorkerExit,
     ZygoteCommand,
@@ -48,7 +49,7 @@ def test_a_bad_command_line_is_a_usage_error() -> None:
 
 
 def test_commands_and_events_are_json_lines() -> None:
-    assert json.loads(zygote_command_line(ZygoteCommand.RETIRE_WORKER, "w0-1")) == {
+    assert json.loads(zygote_command_line(ZygoteCommand.RETIRE_WORKER, worker_id("w0-1"))) == {
         "cmd": "retire_worker",
         "worker": "w0-1",
     }
@@ -65,7 +66,8 @@ def test_an_exit_event_reads_back_as_the_exit_it_reports() -> None:
         "w0-2", 9, -signal.SIGKILL, leftovers_killed=2, reason="over its limit", instruction_index=4
     )
     exit = WorkerExit.from_event(0, json.loads(zygote_event_line(ZygoteEvent.EXITED, **killed)))
-    assert exit == WorkerExit(0, "w0-2", None, signal.SIGKILL, 2, reason="over its limit", instruction_index=4)
+    expected = WorkerExit(0, worker_id("w0-2"), None, signal.SIGKILL, 2, reason="over its limit", instruction_index=4)
+    assert exit == expected
     assert exit.describe() == "killed by signal 9 (SIGKILL); over its limit"
     clean = WorkerExit.from_event(
         1, worker_exit_fields("w1-1", 5, 0, leftovers_killed=0, reason="", instruction_index=None)

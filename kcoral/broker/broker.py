@@ -257,7 +257,7 @@ class Broker:
         worker = self.pool.take_any_idle()
         log.info("worker_retired", worker=worker.name, reason="serves other GPUs")
         self.lazy_asked.add(worker.slot)
-        self.supervisor.kill_worker(worker.slot, worker.name, lazy_next=True)
+        self.supervisor.kill_worker(worker.slot, worker.identity, lazy_next=True)
 
     def end_session(self, session: Session, why: str) -> None:
         """End a session whose worker has no program: its worker is retired (the GPU lease goes back
@@ -265,7 +265,7 @@ class Broker:
         self.sessions.end(session)
         log.info("session_ended", worker=session.worker.name, programs=session.programs, reason=why)
         if session.worker.request_id is None and not session.worker.exited:
-            self.supervisor.prepare_next_worker(session.worker.slot, session.worker.name, gpu_used=True)
+            self.supervisor.prepare_next_worker(session.worker.slot, session.worker.identity, gpu_used=True)
 
     def worker_joined(self, worker: Worker) -> None:
         """A worker said READY and may take programs: a slot asked for one without a context has it."""
@@ -408,7 +408,7 @@ class Broker:
             # The worker may be anywhere in the user's code: kill it and all it started.
             worker.request_id = None
             self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot, worker.name)
+            self.supervisor.kill_worker(worker.slot, worker.identity)
         self.dispatch()
 
     def fail(self, request: Request, kind: str, message: str) -> None:

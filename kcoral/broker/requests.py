@@ -11,6 +11,7 @@ from typing import Any
 
 from kcoral import protocol
 from kcoral.broker.incoming import BlobAssembly
+from kcoral.protocol.worker_link import WorkerId, worker_name
 
 
 class RequestState(StrEnum):
@@ -26,7 +27,7 @@ class RequestState(StrEnum):
 class Worker:
     """A worker process that said READY: its slot, its GPU, and the program it runs (if any)."""
 
-    identity: bytes
+    identity: WorkerId
     slot: int
     gpu: int | None
     pid: int
@@ -39,8 +40,8 @@ class Worker:
 
     @property
     def name(self) -> str:
-        """The identity as text: what the zygote link, the slots and the logs call the worker."""
-        return self.identity.decode()
+        """The identity as text, for logs."""
+        return worker_name(self.identity)
 
 
 @dataclass

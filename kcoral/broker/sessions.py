@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kcoral.broker.requests import Worker
+from kcoral.protocol.worker_link import WorkerId
 
 
 @dataclass(eq=False)
@@ -36,7 +37,7 @@ class Session:
     def describe(self, now: float) -> dict[str, Any]:
         return {
             "client": self.client.decode(errors="replace"),
-            "worker": self.worker.identity.decode(errors="replace"),
+            "worker": self.worker.name,
             "slot": self.worker.slot,
             "gpu_ids": list(self.gpu_ids),
             "programs": self.programs,
@@ -61,7 +62,7 @@ class SessionTable:
     def of(self, client: bytes) -> Session | None:
         return self.by_client.get(client)
 
-    def of_worker(self, identity: bytes) -> Session | None:
+    def of_worker(self, identity: WorkerId) -> Session | None:
         return next((s for s in self.by_client.values() if s.worker.identity == identity), None)
 
     def keep(self, client: bytes, worker: Worker, gpu_ids: tuple[int, ...]) -> Session | None:

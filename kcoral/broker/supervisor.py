@@ -25,7 +25,15 @@ from typing import Any
 
 import structlog
 
-from kcoral.protocol.zygote_link import WorkerExit, ZygoteCommand, ZygoteEvent, event_int, zygote_command_line
+from kcoral.protocol.worker_link import WorkerId, worker_name
+from kcoral.protocol.zygote_link import (
+    WorkerExit,
+    ZygoteCommand,
+    ZygoteEvent,
+    event_int,
+    event_worker,
+    zygote_command_line,
+)
 from kcoral.service.tasks import cancel_and_wait
 from kcoral.worker import processes
 
@@ -78,14 +86,14 @@ class SlotState:
     zygote_pid: int | None = None
     zygote_host_pid: int | None = None  # the zygote itself (zygote_pid is the bwrap around it, if any)
     stopped_checks: int = 0  # liveness checks in a row that found the zygote stopped
-    worker: str | None = None
+    worker: WorkerId | None = None
     worker_pid: int | None = None
     restarts: int = 0
     state: SlotPhase = SlotPhase.STARTING
     last_error: str = ""
     started_at: float = 0.0
     last_heard: float = 0.0  # monotonic time of the zygote's last event
-    kill_asked: tuple[str, float] | None = None  # the worker we asked the zygote to kill, and when
+    kill_asked: tuple[WorkerId, float] | None = None  # the worker we asked the zygote to kill, and when
     killed_for: str = ""  # why the supervisor killed the running zygote, when it did
 
 
@@ -95,9 +103,9 @@ class Supervisor:
 
     slots: list[SlotSpec]
     on_exit: Callable[[WorkerExit], None]
-    on_fork: Callable[[int, str], None] = lambda slot, worker: None
+    on_fork: Callable[[int, WorkerId], None] = lambda slot, worker: None
     # A finished worker's processes are dead or hold no GPU device: its GPU lease may go back.
-    on_gpu_free: Callable[[str], None] = lambda worker: None
+    on_gpu_free: Callable[[WorkerId], None] = lambda worker: None
     states: dict[int, SlotState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
@@ -111,7 +119,7 @@ class Supervisor:
             self._tasks.append(asyncio.create_task(self._keep_running(spec.slot)))
         self._tasks.append(asyncio.create_task(self._check_liveness()))
 
-    def kill_worker(self, slot: int, worker: str | None = None, *, lazy_next: bool = False) -> None:
+    def kill_worker(self, slot: int, worker: WorkerId | None = None, *, lazy_next: bool = False) -> None:
         """Kill the slot's current worker and everything it started; only ``worker``, where named:
         one that has exited meanwhile has a successor, which the command must not reach.
         ``lazy_next``: the worker after it makes no CUDA context ahead (a program on other GPUs
@@ -127,7 +135,7 @@ class Supervisor:
         program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
         self._command(slot, ZygoteCommand.FORK_SPARE)
 
-    def prepare_next_worker(self, slot: int, worker: str | None = None, *, gpu_used: bool | None = None) -> None:
+    def prepare_next_worker(self, slot: int, worker: WorkerId | None = None, *, gpu_used: bool | None = None) -> None:
         """The slot's worker (``worker``, where named) sent its last result: fork its successor now,
         while it exits. The zygote announces the successor (and the broker uses it) only once the
         worker has exited. ``gpu_used``: whether that program took the GPU lease; the slot makes
@@ -149,7 +157,8 @@ class Supervisor:
                 elif now - state.last_heard > ZYGOTE_SILENCE_SECONDS:
                     why = f"the zygote was silent for {now - state.last_heard:.1f} s"
                 elif state.kill_asked is not None and now - state.kill_asked[1] > KILL_GRACE_SECONDS:
-                    why = f"the zygote did not end worker {state.kill_asked[0]} within {KILL_GRACE_SECONDS:g} s"
+                    named = worker_name(state.kill_asked[0])
+                    why = f"the zygote did not end worker {named} within {KILL_GRACE_SECONDS:g} s"
                 if why:
                     log.error("zygote_unresponsive", slot=state.spec.slot, reason=why)
                     state.killed_for = why
@@ -183,14 +192,14 @@ class Supervisor:
                 "gpu": s.spec.gpu,
                 "state": s.state.value,
                 "zygote_pid": s.zygote_pid,
-                "worker": s.worker,
+                "worker": worker_name(s.worker) if s.worker is not None else None,
                 "restarts": s.restarts,
                 "last_error": s.last_error,
             }
             for s in self.states.values()
         ]
 
-    def _command(self, slot: int, command: ZygoteCommand, worker: str | None = None, **fields: Any) -> None:
+    def _command(self, slot: int, command: ZygoteCommand, worker: WorkerId | None = None, **fields: Any) -> None:
         state = self.states.get(slot)
         if state is None or state.process is None or state.process.stdin is None:
             return
@@ -284,17 +293,18 @@ class Supervisor:
                 # Found now, while no program runs in the sandbox to pose as it.
                 state.zygote_host_pid = processes.find_in_sandbox(state.process.pid, inside)
         elif kind is ZygoteEvent.FORKED:
-            state.worker = str(event.get("worker"))
+            state.worker = event_worker(event)
             state.worker_pid = event.get("pid")
             self.on_fork(state.spec.slot, state.worker)
-        elif kind is ZygoteEvent.GPU_FREE and state.worker == str(event.get("worker")):
+        elif kind is ZygoteEvent.GPU_FREE and state.worker is not None and state.worker == event_worker(event):
             if event.get("teardown"):
-                log.debug("gpu_quiet", slot=state.spec.slot, worker=state.worker, after_ms=event.get("after_ms"))
-            self.on_gpu_free(str(event.get("worker")))
+                name = worker_name(state.worker)
+                log.debug("gpu_quiet", slot=state.spec.slot, worker=name, after_ms=event.get("after_ms"))
+            self.on_gpu_free(state.worker)
         elif kind is ZygoteEvent.SPARE_DISCARDED:
             log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
         elif kind is ZygoteEvent.EXITED:
-            worker = str(event.get("worker"))
+            worker = event_worker(event)
             if state.worker == worker:
                 state.worker = None
             if state.kill_asked is not None and state.kill_asked[0] == worker:

@@ -29,6 +29,7 @@ from kcoral.broker.sessions import SessionTable
 from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.workers import WorkerPool, result_grace_seconds
+from kcoral.protocol.worker_link import WorkerId, worker_name
 from kcoral.protocol.zygote_link import WorkerExit
 from kcoral.service.fairness import RateLimit
 from kcoral.service.shell import InFlightTable
@@ -78,8 +79,8 @@ class WorkerMessages:
     leases: LeaseTable
     supervisor: Supervisor
     port: WorkerPort
-    held_leases: dict[bytes, str] = field(default_factory=dict)  # worker identity -> the request whose lease it holds
-    progress_limit: RateLimit[bytes] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
+    held_leases: dict[WorkerId, str] = field(default_factory=dict)  # worker -> the request whose lease it holds
+    progress_limit: RateLimit[WorkerId] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
     ready_announced: bool = False
     provenance: Provenance | None = None  # None: results carry an empty provenance map
     sessions: SessionTable = field(default_factory=lambda: SessionTable(0.0, 0.0))
@@ -89,14 +90,14 @@ class WorkerMessages:
         return worker is not None and self.held_leases.get(worker.identity) == request_id
 
     def on_message(self, frames: list[zmq.Frame]) -> None:
-        identity = bytes(frames[0].buffer)
+        identity = WorkerId(bytes(frames[0].buffer))
         command = bytes(frames[2].buffer[:COMMAND_BYTES_MOST]) if len(frames) > 2 else b""
         worker_identity, separator, _ = identity.partition(protocol.RESULT_IDENTITY_SEPARATOR)
         if separator:
             # A worker's connection for its RESULT (protocol.RESULT_IDENTITY_SEPARATOR): that alone.
             if command != protocol.RESULT:
                 return
-            identity = worker_identity
+            identity = WorkerId(worker_identity)
         elif command != protocol.RESULT:  # dropped before decoding: PROGRESS_PER_SECOND, MAX_CONTROL_MESSAGE_BYTES
             if not self.progress_limit.allow(identity) or slots.oversized_control(command, frames[1:]):
                 return
@@ -107,7 +108,7 @@ class WorkerMessages:
             oversized = slots.oversized_result([f.buffer for f in frames[1:]])
             command, body, data = protocol.split_message([f.buffer for f in frames[1:]])
         except protocol.WireError as exc:
-            log.warning("bad_worker_message", worker=identity.decode(errors="replace"), error=str(exc))
+            log.warning("bad_worker_message", worker=worker_name(identity), error=str(exc))
             self._fail_unreadable_result(identity, oversized, exc)
             return
         if oversized is not None:
@@ -145,12 +146,12 @@ class WorkerMessages:
                 piece = {"request_id": request.id, "state": "output", "stream": stream, "offset": offset, "text": text}
                 self.port.tell(request, piece)
 
-    def _on_ready(self, identity: bytes, body: dict[str, Any]) -> None:
+    def _on_ready(self, identity: WorkerId, body: dict[str, Any]) -> None:
         worker = self.pool.ready(identity, body)
         if worker is not None:
             self._worker_joined(worker)
 
-    def on_forked(self, slot: int, worker: str) -> None:
+    def on_forked(self, slot: int, worker: WorkerId) -> None:
         joined = self.pool.forked(slot, worker)
         if joined is not None:
             self._worker_joined(joined)
@@ -210,7 +211,7 @@ class WorkerMessages:
                 log.info("worker_retired", worker=worker.name, reason=info.get("retire_reason"))
             if not worker.exited:
                 gpu_used = request.lease_times is not None  # its worker asked for and got the lease
-                self.supervisor.prepare_next_worker(worker.slot, worker.name, gpu_used=gpu_used)
+                self.supervisor.prepare_next_worker(worker.slot, worker.identity, gpu_used=gpu_used)
         response_bytes = sum(len(f) for f in data)
         error = body.get("error")
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.
@@ -274,19 +275,19 @@ class WorkerMessages:
             self.sessions.end(session)
             log.info("session_ended", worker=worker.name if worker else None, programs=session.programs)
 
-    def on_gpu_free(self, worker: str) -> None:
+    def on_gpu_free(self, worker: WorkerId) -> None:
         """The zygote killed a finished worker that had no GPU device open or mapped (nor had
         anything it started): it can run no more work on the GPU, whose lease goes back now."""
-        holder = self.held_leases.pop(worker.encode(), None)
+        holder = self.held_leases.pop(worker, None)
         if holder is not None:
             self.leases.reclaim(holder)
 
     def on_exit(self, exit: WorkerExit) -> None:
-        holder = self.held_leases.pop(exit.identity, None)
+        holder = self.held_leases.pop(exit.worker, None)
         if holder is not None:
             # The worker and all it started are gone (the zygote says so only then): the GPU is free.
             self.leases.reclaim(holder)
-        session = self.sessions.of_worker(exit.identity)
+        session = self.sessions.of_worker(exit.worker)
         if session is not None:
             self.sessions.end(session)
         worker = self.pool.exit(exit)
@@ -304,17 +305,19 @@ class WorkerMessages:
         if self.requests.get(request.id) is not request or request.worker is not worker:
             return
         index = exit.instruction_index if exit.instruction_index is not None else request.instruction_index
-        log.warning("worker_died", request_id=request.id, worker=exit.worker, how=exit.describe())
+        log.warning("worker_died", request_id=request.id, worker=worker.name, how=exit.describe())
         message = f"worker exited while executing the instruction ({exit.describe()})"
         self._finish_failed(request, "runtime", message, index)
 
-    def _fail_unreadable_result(self, identity: bytes, oversized: str | None, exc: protocol.WireError | None) -> None:
+    def _fail_unreadable_result(
+        self, identity: WorkerId, oversized: str | None, exc: protocol.WireError | None
+    ) -> None:
         """A message from a running worker that cannot become a FINAL: fail its program clearly."""
         worker = self.pool.workers.get(identity)
         request = self.requests.get(worker.request_id or "") if worker is not None else None
         if request is None or worker is None:
             return
-        log.warning("unreadable_result", request_id=request.id, worker=identity.decode(), error=oversized or str(exc))
+        log.warning("unreadable_result", request_id=request.id, worker=worker.name, error=oversized or str(exc))
         if oversized is not None:
             self.port.fail(request, "response_too_large", oversized)
         else:
@@ -343,7 +346,7 @@ class WorkerMessages:
         if worker is not None and not worker.exited:
             worker.request_id = None
             self.pool.forget(worker)
-            self.supervisor.kill_worker(worker.slot, worker.name)
+            self.supervisor.kill_worker(worker.slot, worker.identity)
         self.port.dispatch()
 
 

@@ -18,6 +18,7 @@ import structlog
 
 from kcoral.broker.requests import Worker
 from kcoral.broker.supervisor import SlotState
+from kcoral.protocol.worker_link import WorkerId, worker_name
 from kcoral.protocol.zygote_link import WorkerExit
 
 log = structlog.get_logger("kcoral.broker")
@@ -45,22 +46,22 @@ class WorkerPool:
 
     def __init__(self, slots: Mapping[int, SlotState]) -> None:
         self.slots = slots  # the supervisor's slot states: which worker each zygote forked
-        self.workers: dict[bytes, Worker] = {}
-        self.idle: dict[bytes, Worker] = {}
-        self.exited: dict[bytes, WorkerExit] = {}
+        self.workers: dict[WorkerId, Worker] = {}
+        self.idle: dict[WorkerId, Worker] = {}
+        self.exited: dict[WorkerId, WorkerExit] = {}
         # READYs that arrived before their zygote's "forked" event was read.
-        self.early_ready: dict[bytes, dict[str, Any]] = {}
+        self.early_ready: dict[WorkerId, dict[str, Any]] = {}
 
-    def ready(self, identity: bytes, body: dict[str, Any]) -> Worker | None:
+    def ready(self, identity: WorkerId, body: dict[str, Any]) -> Worker | None:
         """Take a worker that said READY into the pool, idle; None when it may not take programs
         (yet: a READY that came before its zygote's "forked" event is kept a while)."""
         slot = body.get("slot")
         if not isinstance(slot, int) or slot not in self.slots:
-            log.warning("bad_ready", worker=identity.decode(errors="replace"))
+            log.warning("bad_ready", worker=worker_name(identity))
             return None
         if identity in self.exited or identity in self.workers:
             return None  # it died before its READY was read, or says READY twice
-        if self.slots[slot].worker != identity.decode(errors="replace"):
+        if self.slots[slot].worker != identity:
             if len(self.early_ready) < MAX_EARLY_READY:
                 self.early_ready[identity] = body
                 asyncio.get_running_loop().call_later(EARLY_READY_SECONDS, self._forget_early_ready, identity)
@@ -74,24 +75,24 @@ class WorkerPool:
             worker.gpu_view = (gpu,)
         self.workers[identity] = worker
         self.idle[identity] = worker
-        log.debug("worker_ready", worker=identity.decode(), gpu=gpu, slot=slot)
+        log.debug("worker_ready", worker=worker.name, gpu=gpu, slot=slot)
         return worker
 
-    def forked(self, slot: int, worker: str) -> Worker | None:
+    def forked(self, slot: int, worker: WorkerId) -> Worker | None:
         """A zygote reported a fork: a READY that came first now counts."""
-        body = self.early_ready.pop(worker.encode(), None)
+        body = self.early_ready.pop(worker, None)
         if body is not None and body.get("slot") == slot:
-            return self.ready(worker.encode(), body)
+            return self.ready(worker, body)
         return None
 
-    def _forget_early_ready(self, identity: bytes) -> None:
+    def _forget_early_ready(self, identity: WorkerId) -> None:
         if self.early_ready.pop(identity, None) is not None:
-            log.warning("ready_from_unknown_worker", worker=identity.decode(errors="replace"))
+            log.warning("ready_from_unknown_worker", worker=worker_name(identity))
 
     def exit(self, exit: WorkerExit) -> Worker | None:
         """Record a worker's exit; the worker if it was running a program (still known, marked
         exited: its RESULT may still be in the socket), else None (forgotten)."""
-        identity = exit.identity
+        identity = exit.worker
         self.exited[identity] = exit
         if len(self.exited) > MAX_REMEMBERED_EXITS:
             self.exited.pop(next(iter(self.exited)))
@@ -106,7 +107,7 @@ class WorkerPool:
     def pick(self, gpu_count: int, load: Mapping[int, int]) -> Worker | None:
         """Take the least busy idle worker that can run a program on ``gpu_count`` GPUs, if any."""
 
-        def busyness(identity: bytes) -> tuple[int, int]:
+        def busyness(identity: WorkerId) -> tuple[int, int]:
             worker = self.idle[identity]
             return (load.get(worker.gpu, 0) if worker.gpu is not None else 0, worker.slot)
 

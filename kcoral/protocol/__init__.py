@@ -141,6 +141,9 @@ from kcoral.protocol.worker_link import (
     RESULT_IDENTITY_SEPARATOR,
     WORKER_COMMAND_NAMES,
     WORKER_COMMANDS,
+    WorkerId,
+    worker_id,
+    worker_name,
 )
 from kcoral.protocol.zygote_link import (
     ZYGOTE_DEFAULT_PRELOAD,
@@ -150,6 +153,7 @@ from kcoral.protocol.zygote_link import (
     ZygoteEvent,
     ZygoteSettings,
     event_int,
+    event_worker,
     worker_exit_fields,
     zygote_command_line,
     zygote_event_line,
@@ -239,6 +243,7 @@ __all__ = [
     "WireError",
     "WireSink",
     "WorkerExit",
+    "WorkerId",
     "ZygoteCommand",
     "ZygoteEvent",
     "ZygoteSettings",
@@ -255,6 +260,7 @@ __all__ = [
     "error_body",
     "error_map",
     "event_int",
+    "event_worker",
     "final_body",
     "final_error",
     "final_error_body",
@@ -278,6 +284,8 @@ __all__ = [
     "unpack_map",
     "with_broker_fields",
     "worker_exit_fields",
+    "worker_id",
+    "worker_name",
     "zygote_command_line",
     "zygote_event_line",
 ]

@@ -6,11 +6,16 @@ body built by ``kcoral.protocol.results``). The tokens go back on the zygote's w
 worker's exit, or ``gpu_free``; see :mod:`kcoral.protocol.zygote_link`), and a worker is ended
 through its zygote: RELEASE and DISCONNECT are reserved, their bytes kept so that no other command
 takes them.
+
+A worker is known by one :data:`WorkerId`: its routing identity on the workers' socket, bytes, as
+ZeroMQ carries it and as the broker's tables key it. The zygote link and a worker's command line
+carry the same identity as text (its zygote names it); :func:`worker_id` and :func:`worker_name`
+are the two conversions, used where text meets the socket's identity and nowhere else.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NewType
 
 from kcoral.protocol.frames import command_names
 
@@ -29,6 +34,20 @@ DISCONNECT: Final = b"\x27"  # reserved: the broker never sends it (it ends a wo
 # can flood through the worker's own socket (it runs in the worker's process), neither delay the
 # RESULT behind them nor interleave with its frames. The broker takes only RESULT from it.
 RESULT_IDENTITY_SEPARATOR: Final = b"|result-"
+
+WorkerId = NewType("WorkerId", bytes)
+
+
+def worker_id(name: str) -> WorkerId:
+    """The identity of the worker its zygote named ``name`` (a zygote event, a worker's settings)."""
+    return WorkerId(name.encode("utf-8", "surrogatepass"))
+
+
+def worker_name(worker: bytes) -> str:
+    """A worker's identity as text: for the zygote link, health and logs (bytes that are not UTF-8,
+    from a peer that is no worker, read with U+FFFD)."""
+    return worker.decode("utf-8", "replace")
+
 
 WORKER_COMMANDS: Final = frozenset({READY, LEASE, RELEASE, PROGRESS, RESULT})
 

@@ -11,7 +11,7 @@ Example::
 
     argv = ZygoteSettings(connect="ipc:///run/w.sock", slot=0, workspace=Path("/workspace")).to_argv()
     assert ZygoteSettings.from_argv(argv) == ZygoteSettings(...)
-    line = zygote_command_line(ZygoteCommand.RETIRE_WORKER, worker="w0-1-ab12")
+    line = zygote_command_line(ZygoteCommand.RETIRE_WORKER, worker=worker_id("w0-1-ab12"))
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final
+
+from kcoral.protocol.worker_link import WorkerId, worker_id, worker_name
 
 # The zygote's entry point, run as ``python -m ZYGOTE_MODULE ARGV...``.
 ZYGOTE_MODULE: Final = "kcoral.worker.zygote"
@@ -58,15 +60,20 @@ class ZygoteEvent(StrEnum):
     ALIVE = "alive"  # once a second: the zygote still watches its slot
 
 
-def zygote_command_line(command: ZygoteCommand, worker: str | None = None, **fields: Any) -> bytes:
+def zygote_command_line(command: ZygoteCommand, worker: WorkerId | None = None, **fields: Any) -> bytes:
     """One command as the zygote reads it (``fields``: the command's own, such as ``next``)."""
-    body = {"cmd": command.value, **({"worker": worker} if worker is not None else {}), **fields}
+    body = {"cmd": command.value, **({"worker": worker_name(worker)} if worker is not None else {}), **fields}
     return (json.dumps(body) + "\n").encode()
 
 
 def zygote_event_line(event: ZygoteEvent, **fields: Any) -> bytes:
     """One event as the supervisor reads it."""
     return (json.dumps({"event": event.value, **fields}) + "\n").encode()
+
+
+def event_worker(event: Mapping[str, Any]) -> WorkerId:
+    """The worker an event names (``forked``, ``gpu_free``, ``spare_discarded``, ``exited``)."""
+    return worker_id(str(event.get("worker")))
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class WorkerExit:
     """A worker's end, as its zygote reported it (``exited``) or as the supervisor saw its zygote die."""
 
     slot: int
-    worker: str
+    worker: WorkerId
     returncode: int | None
     signal: int | None
     leftovers_killed: int = 0
@@ -153,17 +160,12 @@ class WorkerExit:
     reason: str = ""  # why the zygote killed it (a limit it broke), when it did
     instruction_index: int | None = None  # what it was executing, as the zygote saw it
 
-    @property
-    def identity(self) -> bytes:
-        """The worker's routing identity (its name as bytes), as the broker's tables key it."""
-        return self.worker.encode()
-
     @classmethod
     def from_event(cls, slot: int, event: Mapping[str, Any]) -> WorkerExit:
         """The exit of an ``exited`` event's fields (a field of the wrong type reads as unknown)."""
         return cls(
             slot,
-            str(event.get("worker")),
+            event_worker(event),
             event.get("returncode"),
             event.get("signal"),
             int(event.get("leftovers_killed") or 0),
@@ -221,6 +223,7 @@ __all__ = [
     "ZygoteEvent",
     "ZygoteSettings",
     "event_int",
+    "event_worker",
     "worker_exit_fields",
     "zygote_command_line",
     "zygote_event_line",

@@ -221,7 +221,7 @@ def run_worker(settings: WorkerSettings) -> int:
     context_at = time.time()
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, settings.identity.encode())
+    socket.setsockopt(zmq.IDENTITY, protocol.worker_id(settings.identity))
     socket.setsockopt(zmq.LINGER, 0)  # results go on sockets of their own (_send_result)
     socket.connect(settings.connect)
     results = zmq.Context()  # for the first RESULT (_send_result), made while no program is here
@@ -328,7 +328,7 @@ def _send_result(context: zmq.Context[Any], settings: WorkerSettings, number: in
     not for two threads), nor kill the worker before it is out. ``context`` is for this RESULT
     alone (made while the worker was idle), so that ending it waits for nothing else."""
     result = context.socket(zmq.DEALER)
-    identity = settings.identity.encode() + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
+    identity = protocol.worker_id(settings.identity) + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
     result.setsockopt(zmq.IDENTITY, identity)
     result.setsockopt(zmq.LINGER, RESULT_LINGER_MS)
     result.connect(settings.connect)
