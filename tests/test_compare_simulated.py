@@ -6,7 +6,7 @@ verdict, the adaptive stop, the clock filter and the report's fields are checked
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from kcoral.errors import ExecutionError
 from kcoral.timing import trust
 from kcoral.timing.cupti import EXTERNAL_ID_BLOCK, HOLD_ID_OFFSET, Activity
 from kcoral.timing.nvml import Nvml
+from tests.helpers import called_from
 from tests.test_benchmark_simulated import SimulatedTracer, simulated_gpu  # noqa: F401  (the fixture)
 
 torch = pytest.importorskip("torch")
@@ -152,8 +153,8 @@ def test_noise_that_does_not_settle_ends_on_the_budget_unclear(gpu: tuple[Script
 
 def test_throttled_samples_are_left_out_and_counted(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
     tracer, nvml = gpu
-    # The first 24 readings: power capped; the next 24 at a clock under the floor; then steady.
-    nvml.script = [(1980, 0x4)] * 24 + [(1200, 0)] * 24
+    # The first 24 readings: a hardware slowdown; the next 24 at a clock under the floor; then steady.
+    nvml.script = [(1980, 0x8)] * 24 + [(1200, 0)] * 24
     a = kernel(tracer, 500_000)
     result = compare(a, a, torch.ones(256), config=FAST)
     left = result["clock"]["samples_left_out"]
@@ -168,8 +169,8 @@ def test_throttled_samples_are_left_out_and_counted(gpu: tuple[ScriptedTracer, F
 
 def test_a_gpu_that_never_holds_its_clock_is_suspect_never_faster(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
     tracer, nvml = gpu
-    nvml.reasons = 0  # every other reading power capped: half the samples left out
-    nvml.script = [(1980, 0x4 if i % 2 else 0) for i in range(4000)]
+    nvml.reasons = 0  # every other reading thermally slowed: half the samples left out
+    nvml.script = [(1980, 0x40 if i % 2 else 0) for i in range(4000)]
     result = compare(
         kernel(tracer, 500_000), kernel(tracer, 300_000), torch.ones(256), config={**FAST, "budget_ms": 400}
     )
@@ -219,7 +220,7 @@ def test_the_wait_for_a_cool_gpu_and_the_conditions_in_both_reports(gpu: tuple[S
 
 def test_a_gpu_throttled_all_along_gives_a_number_marked_suspect(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
     tracer, nvml = gpu
-    nvml.reasons = 0x4  # power capped at every reading
+    nvml.reasons = 0x20  # a thermal slowdown at every reading
     result = compare(
         kernel(tracer, 500_000), kernel(tracer, 600_000), torch.ones(256), config={**FAST, "budget_ms": 300}
     )
@@ -234,3 +235,71 @@ def test_cuda_events_time_the_rounds_where_asked(gpu: tuple[ScriptedTracer, Fake
     result = compare(lambda t: t * 2, lambda t: t * 2, x, config={**FAST, "method": "cuda_event", "budget_ms": 300})
     assert result["method"] == "cuda_event" and result["a"]["samples"] > 0
     assert result["stop"]["reason"] in ("target", "budget") and result["verdict"] in ("same", "unclear")
+
+
+def test_a_steady_power_capped_clock_keeps_its_samples_and_its_verdict(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    """The software power cap on every reading, at the same clock for A and B (a sustained GEMM on
+    an H200): nothing is left out and the answer stands (it read ``unclear`` before)."""
+    tracer, nvml = gpu
+    nvml.reasons, nvml.clock = 0x4, 1830
+    result = compare(kernel(tracer, 500_000), kernel(tracer, 750_000), torch.ones(256), config=FAST)
+    clock = result["clock"]
+    assert result["integrity"]["verdict"] == "ok", result["integrity"]
+    assert result["verdict"] == "slower" and result["ratio"] == pytest.approx(1.5, rel=0.01)
+    assert clock["samples_left_out"] == {} and clock["samples_power_capped"] == clock["samples_used"] > 0
+    assert clock["rounds_clock_apart"] == 0 == result["rounds_clock_apart"]
+    assert clock["sm_clock_mhz_median_by_side"] == {"a": 1830, "b": 1830}
+
+
+def side_clock(tracer: ScriptedTracer, nvml: FakeNvml, ns: int, clock: Callable[[], int]) -> Any:
+    """A callable whose calls run at the SM clock ``clock()`` gives (NVML reads it after each call)."""
+
+    def call(x: Any) -> Any:
+        tracer.next_ns[:] = [ns]
+        nvml.clock = clock()
+        return x * 2
+
+    return call
+
+
+def test_a_power_capped_clock_that_differs_between_a_and_b_is_suspect(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    """Capped, but B's calls at 12% below A's clock: a disturbance the paired rounds cannot cancel."""
+    tracer, nvml = gpu
+    nvml.reasons = 0x4
+    a = side_clock(tracer, nvml, 500_000, lambda: 1980)
+    b = side_clock(tracer, nvml, 500_000, lambda: 1740)
+    result = compare(a, b, torch.ones(256), config={**FAST, "budget_ms": 400})
+    assert result["integrity"]["verdict"] == "suspect" and result["verdict"] == "unclear"
+    assert any("SM clocks more than 3.0% apart" in reason for reason in result["integrity"]["reasons"]), result
+    assert result["clock"]["rounds_clock_apart"] > 0
+    assert result["clock"]["sm_clock_mhz_median_by_side"] == {"a": 1980, "b": 1740}
+
+
+def test_a_clock_drop_under_one_side_in_one_round_sets_that_round_aside(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    """B's clock falls for its first blocks only: that round is set aside, the others answer."""
+    tracer, nvml = gpu
+    nvml.reasons = 0x4
+    calls = [0]
+
+    def b_clock() -> int:  # B's calls of the first round run at 1700 MHz (its two blocks)
+        if called_from("timed_calls"):
+            calls[0] += 1
+            return 1700 if calls[0] <= 2 * FAST["block"] else 1980
+        return 1980
+
+    a = side_clock(tracer, nvml, 500_000, lambda: 1980)
+    b = side_clock(tracer, nvml, 550_000, b_clock)
+    result = compare(a, b, torch.ones(256), config=FAST)
+    assert result["rounds_clock_apart"] >= 1 and result["rounds"] >= FAST["min_rounds"], result["stop"]
+    assert result["integrity"]["verdict"] == "ok", result["integrity"]
+    assert result["verdict"] == "slower" and result["ratio"] == pytest.approx(1.1, rel=0.01)
+
+
+def test_a_thermal_slowdown_is_left_out_even_at_a_steady_clock(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
+    tracer, nvml = gpu
+    nvml.reasons = 0x4 | 0x40  # capped and thermally slowed: the thermal reason decides
+    result = compare(
+        kernel(tracer, 500_000), kernel(tracer, 500_000), torch.ones(256), config={**FAST, "budget_ms": 300}
+    )
+    assert result["clock"]["samples_used"] == 0 and result["clock"]["samples_left_out"]["throttled"] > 0
+    assert result["integrity"]["verdict"] == "suspect" and result["verdict"] == "unclear"

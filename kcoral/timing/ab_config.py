@@ -43,6 +43,10 @@ MAX_BLOCK_CALLS: Final = 256
 DEFAULT_CLOCK_FLOOR: Final = 0.75
 # More than this share of samples left out (throttled, below the floor) makes the run suspect.
 DEFAULT_MAX_LEFT_OUT: Final = 0.2
+# A round whose A and B blocks ran at median SM clocks further apart than this share of the higher
+# is set aside (the clock moved under one side only); more than ``max_left_out`` of the rounds set
+# aside makes the run suspect. NVML's SM clock steps by 15 MHz: 3% is four steps at the H200's 1980.
+DEFAULT_CLOCK_TOLERANCE: Final = 0.03
 
 COMPARE_KEYS: Final = SHARED_KEYS | frozenset(
     {
@@ -57,6 +61,7 @@ COMPARE_KEYS: Final = SHARED_KEYS | frozenset(
         "order",
         "clock_floor",
         "max_left_out",
+        "clock_tolerance",
         "seed",
     }
 )
@@ -77,6 +82,7 @@ class CompareConfig:
     order: str = "abba"
     clock_floor: float = DEFAULT_CLOCK_FLOOR
     max_left_out: float = DEFAULT_MAX_LEFT_OUT
+    clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE
     seed: int | None = None
     timing: BenchmarkConfig = field(default_factory=BenchmarkConfig)
 
@@ -115,6 +121,7 @@ class CompareConfig:
             order=order,
             clock_floor=_number(values, "clock_floor", DEFAULT_CLOCK_FLOOR, 0.0, 1.0),
             max_left_out=_number(values, "max_left_out", DEFAULT_MAX_LEFT_OUT, 0.0, 1.0),
+            clock_tolerance=_number(values, "clock_tolerance", DEFAULT_CLOCK_TOLERANCE, 0.0, 1.0),
             seed=seed,
             timing=BenchmarkConfig.from_mapping({k: v for k, v in values.items() if k in SHARED_KEYS}),
         )

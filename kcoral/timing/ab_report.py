@@ -13,6 +13,7 @@ from kcoral.timing.ab_stats import noise
 from kcoral.timing.calibrate import DefenceTime
 from kcoral.timing.calls import check_kept
 from kcoral.timing.inputs import OutputCheck
+from kcoral.timing.nvml import clocks_apart
 from kcoral.timing.stats import summarize
 from kcoral.timing.timers import UNHELD_MEASURE, CuptiTimer
 from kcoral.timing.trust import Trusted
@@ -52,9 +53,21 @@ def describe_side(side: Side, outputs_checked: int) -> dict[str, Any]:
 
 
 def clock_report(
-    sides: list[Side], max_clock: int | None, floor_mhz: float | None, max_left_out: float
+    sides: list[Side],
+    max_clock: int | None,
+    floor_mhz: float | None,
+    max_left_out: float,
+    *,
+    rounds_kept: int = 0,
+    rounds_clock_apart: int = 0,
+    clock_tolerance: float = 0.0,
 ) -> dict[str, Any]:
-    """The ``clock`` section, and the reasons (under ``reasons``) it gives to distrust the run."""
+    """The ``clock`` section, and the reasons (under ``reasons``) it gives to distrust the run.
+
+    Samples taken under the software power cap alone are kept and counted
+    (``samples_power_capped``): what tells a steady capped clock from a disturbance is whether A
+    and B ran at the same clock, round by round (``rounds_clock_apart``) and over the run
+    (``sm_clock_mhz_median_by_side``)."""
     reasons: list[str] = []
     clocks = [mhz for side in sides for mhz in side.clocks_mhz]
     left = Counter[str]()
@@ -73,14 +86,30 @@ def clock_report(
             f"{sum(left.values())} of {total} samples were taken throttled or below the clock floor "
             f"({dict(left)}): the GPU did not hold a steady clock"
         )
+    by_side = {side.name: float(statistics.median(side.clocks_mhz)) if side.clocks_mhz else None for side in sides}
+    judged = rounds_kept + rounds_clock_apart
+    if judged and rounds_clock_apart > max_left_out * judged:
+        reasons.append(
+            f"in {rounds_clock_apart} of {judged} rounds A and B ran at SM clocks more than "
+            f"{clock_tolerance:.1%} apart (medians over the run: {by_side}): the clock moved under one side"
+        )
+    elif len(sides) == 2 and clocks_apart(sides[0].clocks_mhz, sides[1].clocks_mhz, clock_tolerance):
+        reasons.append(
+            f"A and B ran at SM clocks more than {clock_tolerance:.1%} apart over the run "
+            f"(medians {by_side}): the clock was not the same for both"
+        )
     return {
         "max_sm_clock_mhz": max_clock,
         "floor_mhz": round(floor_mhz, 1) if floor_mhz is not None else None,
         "sm_clock_mhz_median": float(statistics.median(clocks)) if clocks else None,
         "sm_clock_mhz_min": min(clocks) if clocks else None,
         "sm_clock_mhz_max": max(clocks) if clocks else None,
+        "sm_clock_mhz_median_by_side": by_side,
         "samples_used": used,
         "samples_left_out": dict(left),
+        "samples_power_capped": sum(side.power_capped for side in sides),
+        "clock_tolerance": clock_tolerance,
+        "rounds_clock_apart": rounds_clock_apart,
         "filter": "per call" if max_clock is not None else "off: NVML cannot read the clock",
         "reasons": reasons,
     }

@@ -1,7 +1,9 @@
 """``compare``'s rounds: the two sides (each callable's calibration, timer and what its blocks
 gave), one block of timed calls with the SM clock read after each call and the samples taken
 throttled or below the clock floor left out, and the rounds of four blocks until the adaptive stop
-(``timing.ab_stats``) ends them."""
+(``timing.ab_stats``) ends them. A round whose A and B samples ran at SM clocks further apart than
+``clock_tolerance`` is set aside: a power cap both sides share is the steady state of a heavy
+kernel, a clock that moved under one side only is a disturbance."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from kcoral.timing.ab_stats import (
 )
 from kcoral.timing.calibrate import Calibration
 from kcoral.timing.inputs import OutputReservoir
-from kcoral.timing.nvml import Nvml, sample_left_out
+from kcoral.timing.nvml import Nvml, clocks_apart, power_capped, sample_left_out
 from kcoral.timing.timers import CuptiTimer, EventTimer
 from kcoral.timing.trust import QuietInterpreter, Trusted, describe_changes
 
@@ -60,15 +62,16 @@ class Side:
     host_ms: list[float] = field(default_factory=list)
     clocks_mhz: list[int] = field(default_factory=list)
     left_out: Counter[str] = field(default_factory=Counter)
+    power_capped: int = 0  # samples kept that NVML read under the software power cap
     empty_calls: int = 0
     stable: bool = True
     activities: set[int | None] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
     late_calls: int = 0
 
-    def run_block(self, nvml: Nvml | None, floor_mhz: float | None) -> tuple[list[float], list[float]]:
-        """Time one block of calls; (the samples kept, all of them). Those left out are counted in
-        ``left_out``."""
+    def run_block(self, nvml: Nvml | None, floor_mhz: float | None) -> tuple[list[float], list[float], list[int]]:
+        """Time one block of calls; (the samples kept, all of them, the SM clocks of those kept).
+        Those left out are counted in ``left_out``."""
         clocks = ClockReadings(nvml)
         measurement, _ = self.timer.measure(
             self.ready.runner,
@@ -83,6 +86,7 @@ class Side:
         if measurement.tampering:
             raise ExecutionError("integrity", describe_changes(measurement.tampering))
         kept: list[float] = []
+        kept_clocks: list[int] = []
         for sample, index in zip(measurement.samples_ms, measurement.indices):
             sm_mhz, reasons = clocks.readings[index] if index < len(clocks.readings) else (None, None)
             why = sample_left_out(sm_mhz, reasons, floor_mhz)
@@ -90,8 +94,10 @@ class Side:
                 self.left_out[why] += 1
                 continue
             kept.append(sample)
+            self.power_capped += int(power_capped(reasons))
             if sm_mhz is not None:
-                self.clocks_mhz.append(sm_mhz)
+                kept_clocks.append(sm_mhz)
+        self.clocks_mhz.extend(kept_clocks)
         self.samples_ms.extend(kept)
         self.host_ms.extend(measurement.host_ms)
         self.empty_calls += measurement.empty_calls
@@ -102,7 +108,7 @@ class Side:
         for reason in measurement.reasons:
             if reason not in self.reasons and len(self.reasons) < REASONS_KEPT:
                 self.reasons.append(reason)
-        return kept, measurement.samples_ms
+        return kept, measurement.samples_ms, kept_clocks
 
 
 @dataclass
@@ -112,6 +118,7 @@ class Rounds:
     ratios: list[float] = field(default_factory=list)
     unfiltered: list[float] = field(default_factory=list)  # each round's ratio of all its samples
     left_out: int = 0  # rounds in which a side kept no sample
+    clock_apart: int = 0  # rounds set aside: A's and B's samples ran at clocks apart (clocks_apart)
     orders: list[str] = field(default_factory=list)
     stop: str = ""
     interval: Interval | None = None  # the last stop check's
@@ -131,17 +138,22 @@ def run_rounds(
         done.orders.append(order)
         kept: dict[str, list[float]] = {"A": [], "B": []}
         every: dict[str, list[float]] = {"A": [], "B": []}
+        clocks: dict[str, list[int]] = {"A": [], "B": []}
         with QuietInterpreter(trusted):
             for letter in order:
-                block_kept, block_all = by_name[letter].run_block(nvml, floor_mhz)
+                block_kept, block_all, block_clocks = by_name[letter].run_block(nvml, floor_mhz)
                 kept[letter].extend(block_kept)
                 every[letter].extend(block_all)
+                clocks[letter].extend(block_clocks)
         unfiltered = round_ratio(every["A"], every["B"])
         if unfiltered is not None:
             done.unfiltered.append(unfiltered)
         ratio = round_ratio(kept["A"], kept["B"])
         if ratio is None:
             done.left_out += 1
+        elif clocks_apart(clocks["A"], clocks["B"], settings.clock_tolerance):
+            done.clock_apart += 1
+            ratio = None
         else:
             done.ratios.append(ratio)
         if ratio is not None and len(done.ratios) >= settings.min_rounds:
@@ -159,7 +171,7 @@ def run_rounds(
             budget_ms=settings.budget_ms,
         )
         # Rounds that keep nothing count against the most rounds too: a throttled GPU ends the run.
-        if stop is None and len(done.ratios) + done.left_out >= settings.max_rounds:
+        if stop is None and len(done.ratios) + done.left_out + done.clock_apart >= settings.max_rounds:
             stop = STOP_MAX_ROUNDS
     done.stop = stop
     return done

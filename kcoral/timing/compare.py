@@ -12,9 +12,13 @@ rotated clones of the inputs, a sample of outputs checked) and the same findings
 - an adaptive stop: rounds go on until the interval of B/A is narrow enough (``target_halfwidth``),
   or the time budget (``budget_ms``) or the most rounds are spent, and the report says which;
 - the SM clock and clock-event reasons after every timed call (NVML, read in the gap after the
-  call's window, where the timer launches nothing): a sample taken throttled or below
-  ``clock_floor`` x the GPU's maximum SM clock is left out and counted; a run whose clock never
-  settled, or that left out more than ``max_left_out`` of its samples, is ``suspect``;
+  call's window, where the timer launches nothing): a sample taken throttled (hardware or thermal
+  slowdown, the power brake) or below ``clock_floor`` x the GPU's maximum SM clock is left out and
+  counted; one taken under the software power cap alone is kept and counted (the steady state of
+  a heavy GEMM), and a round whose A and B ran at clocks more than ``clock_tolerance`` apart is set
+  aside; a run whose clock never settled, that left out more than ``max_left_out`` of its samples
+  or set aside more than that share of its rounds, or whose A and B clocks differ over the run, is
+  ``suspect``;
 - the GPU's conditions before and after (``timing.conditions``), and, when asked
   (``wait_cool_ms``), a wait for a cool, idle GPU before measuring. Clocks are never locked.
 
@@ -98,14 +102,15 @@ def compare(
       samples used and left out (``left_out``: ``throttled``, ``below_clock_floor``), its hold and
       inputs;
     - ``stop``: which ended the sampling (``target``, ``budget`` or ``max_rounds``), the rounds,
-      the time spent; ``clock``: the floor, the clocks seen, the samples left out;
+      the time spent; ``clock``: the floor, the clocks seen (each side's median too), the samples
+      left out and those power capped, the rounds set aside for clocks apart;
       ``conditions_before``/``conditions_after`` (temperature, clocks, power, utilisation) and
       ``cool_wait``; ``integrity`` (``verdict``, ``reasons``) as in ``benchmark``.
 
     Config keys: ``threshold`` (0.005), ``confidence`` (0.95), ``target_halfwidth`` (0.002),
     ``budget_ms`` (3000), ``min_rounds`` (8), ``max_rounds`` (2000), ``block_ms`` (5) or
     ``block`` (calls per block), ``order`` (``"abba"`` or ``"shuffled"``), ``clock_floor`` (0.75),
-    ``max_left_out`` (0.2), ``wait_cool_ms`` (0: no wait), ``cool_temp_c`` (50),
+    ``max_left_out`` (0.2), ``clock_tolerance`` (0.03), ``wait_cool_ms`` (0: no wait), ``cool_temp_c`` (50),
     ``idle_util_pct`` (5), ``seed``; and benchmark's ``warmup_ms``, ``flush_l2``, ``launch_hold``,
     ``clock_warmup_ms``, ``method``.
 
@@ -207,7 +212,15 @@ def _run(
             fail_on_changes(state, "while the outputs were checked")
     if not done.unfiltered:
         raise ExecutionError("unavailable", "the calls launched no GPU work in any round: there is nothing to compare")
-    clock = clock_report(sides, max_clock, floor_mhz, settings.max_left_out)
+    clock = clock_report(
+        sides,
+        max_clock,
+        floor_mhz,
+        settings.max_left_out,
+        rounds_kept=len(done.ratios),
+        rounds_clock_apart=done.clock_apart,
+        clock_tolerance=settings.clock_tolerance,
+    )
     filtered = bool(ratios) and all(side.samples_ms for side in sides)
     if not filtered:
         # Better a number marked suspect (the clock report says why) than none at all.
@@ -236,6 +249,7 @@ def _run(
         "b": described["b"],
         "rounds": len(ratios),
         "rounds_left_out": done.left_out,
+        "rounds_clock_apart": done.clock_apart,
         "round_ratios": [round(r, 6) for r in ratios],
         "order": settings.order,
         "block_orders": dict(Counter(done.orders)),

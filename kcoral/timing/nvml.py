@@ -6,6 +6,7 @@ pynvml is imported inside ``Nvml.open``: this module is imported with ``kcoral.b
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -31,6 +32,13 @@ THROTTLE_REASONS: Final[tuple[tuple[int, str], ...]] = (
 # Reasons that mean the clock was pulled below what the work asked for. Idle, application clocks and
 # display settings are states, not slowdowns.
 SLOWDOWN_MASK: Final = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+POWER_CAP: Final = 0x4
+# Slowdowns that disturb a measurement whatever the clock reads: hardware slowdown, thermal and the
+# power brake. The software power cap alone is not one of them: it is the normal state of a
+# sustained GEMM on an H200 (NVML sets it on most readings while the clock holds), so a sample taken
+# power capped is kept, counted, and the clock it ran at is compared between A and B instead
+# (``clocks_apart``): a capped clock that A and B share is steady, one that differs is not.
+DISTURBANCE_MASK: Final = SLOWDOWN_MASK & ~POWER_CAP
 
 
 def clock_is_steady(
@@ -162,13 +170,29 @@ class Nvml:
 
 
 def sample_left_out(sm_clock_mhz: int | None, reasons: int | None, floor_mhz: float | None) -> str | None:
-    """Why a sample taken at this clock and clock-event mask is left out (``throttled``,
-    ``below_clock_floor``), or None to keep it. A reading NVML could not give keeps the sample."""
-    if reasons is not None and reasons & SLOWDOWN_MASK:
+    """Why a sample taken at this clock and clock-event mask is left out (``throttled``: a
+    disturbance reason was set, ``DISTURBANCE_MASK``; ``below_clock_floor``), or None to keep it.
+    A reading NVML could not give keeps the sample; so does the power cap alone above the floor."""
+    if reasons is not None and reasons & DISTURBANCE_MASK:
         return "throttled"
     if sm_clock_mhz is not None and floor_mhz is not None and sm_clock_mhz < floor_mhz:
         return "below_clock_floor"
     return None
+
+
+def power_capped(reasons: int | None) -> bool:
+    """Whether NVML's clock-event mask has the software power cap set."""
+    return reasons is not None and bool(reasons & POWER_CAP)
+
+
+def clocks_apart(a_mhz: Sequence[float], b_mhz: Sequence[float], tolerance: float) -> bool:
+    """True when the median SM clocks of two sets of samples differ by more than ``tolerance`` of the
+    higher one (False where either set has no reading)."""
+    if not a_mhz or not b_mhz:
+        return False
+    a, b = statistics.median(a_mhz), statistics.median(b_mhz)
+    top = max(a, b)
+    return top > 0 and abs(a - b) > tolerance * top
 
 
 def clock_state(nvml: Nvml | None) -> dict[str, Any]:
