@@ -21,11 +21,8 @@ from kcoral.timing.calibrate import (
     Calibration,
     DefenceTime,
     calibrate,
-    check_subscriber,
-    choose_timer,
     fail_on_changes,
-    import_torch_with_gpu,
-    is_cupti_failure,
+    start,
     wait_for_cool_gpu,
     warm_up,
 )
@@ -138,36 +135,19 @@ def measure(
 ) -> BenchmarkRun:
     """``benchmark``, returning the kept outputs beside the report (for a harness in another process)."""
     call_args, settings = split_config(args, config)
-    state = armed()
-    began = state.trusted.perf_counter()
-    spent = DefenceTime(state.trusted.perf_counter)
-    torch = import_torch_with_gpu(state)
     defences = settings.defences
-    if defences:
-        with spent.step("trusted_state"):
-            fail_on_changes(state, "since the worker started (before the measurement)")
-    timer, cupti_error = choose_timer(settings.method, state)
-    if defences:
-        with spent.step("trusted_state"):
-            check_subscriber(state, timer)
+    begun = start(settings.method, defences=defences)
+    torch, spent = begun.torch, begun.spent
     if defences:
         with spent.step("inputs"):
             plan = plan_inputs(torch, call_args, inputs)
     else:
         plan = InputPlan(MODE_SAME, [call_args], inputs)
-    try:
-        run = _run(fn, _Setup(torch, state, settings, timer, plan, check if defences else None, keep_outputs, spent))
-    except ExecutionError:
-        raise
-    except Exception as exc:
-        if isinstance(timer, CuptiTimer) and is_cupti_failure(exc):
-            raise ExecutionError(
-                "integrity", f"CUPTI worked when the worker started but failed during the measurement: {exc!r}"
-            ) from exc
-        raise
-    run.report["cupti_error"] = cupti_error
-    run.report["wall_ms"] = round((state.trusted.perf_counter() - began) * 1e3, 3)
-    run.report["integrity_details"]["defences_ms"] = spent.report()
+    kept_check = check if defences else None
+    setup = _Setup(torch, begun.state, settings, begun.timers[0], plan, kept_check, keep_outputs, spent)
+    with begun.measuring():
+        run = _run(fn, setup)
+    begun.finish(run.report)
     if not defences:
         run.report["integrity"] = verdict([DEFENCES_OFF_REASON, *run.report["integrity"]["reasons"]])
     return run

@@ -1,7 +1,8 @@
-"""What runs before the counted calls of ``benchmark`` and ``compare``: the timer chosen and the
-trusted state checked, the wait for a cool GPU where asked, then, per callable, the first call,
-the probe, the clock warm-up, the launch-hold fit, the per-call estimate and the warm-up (the
-package docstring says why each).
+"""What runs before the counted calls of ``benchmark`` and ``compare``: the start both share
+(:func:`start`: the trusted state checked, the timers chosen; :class:`Start` also turns a CUPTI
+failure while measuring into an integrity failure and stamps the report's times), the wait for a
+cool GPU where asked, then, per callable, the first call, the probe, the clock warm-up, the
+launch-hold fit, the per-call estimate and the warm-up (the package docstring says why each).
 
 Both measurements start here, so a defence added to these steps holds for both.
 """
@@ -24,7 +25,7 @@ from kcoral.timing.inputs import MODE_ROTATED, InputPlan, versions
 from kcoral.timing.nvml import CLOCK_SAMPLE_INTERVAL_S, Nvml, clock_is_steady
 from kcoral.timing.stats import count_from_budget
 from kcoral.timing.timers import UNHELD_STATE, CuptiTimer, EventTimer, initial_hold_us
-from kcoral.timing.trust import ArmedState, Trusted, describe_changes, ensure_tracer, verify
+from kcoral.timing.trust import ArmedState, Trusted, armed, describe_changes, ensure_tracer, verify
 
 
 @dataclass
@@ -110,6 +111,58 @@ def fail_on_changes(state: ArmedState, when: str) -> None:
     changes = verify(state)
     if changes:
         raise ExecutionError("integrity", f"the timer's state changed {when}: {describe_changes(changes)}")
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a measurement began: the armed state, when (on the trusted clock), the time its defences
+    take, torch, one timer per callable, and why CUPTI is not used where it is not."""
+
+    state: ArmedState
+    began: float
+    spent: DefenceTime
+    torch: Any
+    timers: list[CuptiTimer | EventTimer]
+    cupti_error: str | None
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """CUPTI worked when the worker started: its failure while measuring is an integrity failure."""
+        try:
+            yield
+        except ExecutionError:
+            raise
+        except Exception as exc:
+            if isinstance(self.timers[0], CuptiTimer) and is_cupti_failure(exc):
+                raise ExecutionError(
+                    "integrity", f"CUPTI worked when the worker started but failed during the measurement: {exc!r}"
+                ) from exc
+            raise
+
+    def finish(self, report: dict[str, Any]) -> None:
+        """The report's ``cupti_error``, ``wall_ms`` and ``integrity_details["defences_ms"]``."""
+        report["cupti_error"] = self.cupti_error
+        report["wall_ms"] = round((self.state.trusted.perf_counter() - self.began) * 1e3, 3)
+        report["integrity_details"]["defences_ms"] = self.spent.report()
+
+
+def start(method: str, callables: int = 1, *, defences: bool = True) -> Start:
+    """Begin a measurement of ``callables`` callables: torch with a GPU, the trusted state unchanged
+    since the worker started, a timer each, no foreign CUPTI subscriber (``defences=False``: no
+    checks, for ``benchmarks/timing.py --defences-cost``)."""
+    state = armed()
+    began = state.trusted.perf_counter()
+    spent = DefenceTime(state.trusted.perf_counter)
+    torch = import_torch_with_gpu(state)
+    if defences:
+        with spent.step("trusted_state"):
+            fail_on_changes(state, "since the worker started (before the measurement)")
+    # One timer per callable: a CUPTI timer keeps what its callable's probe launched.
+    chosen = [choose_timer(method, state) for _ in range(callables)]
+    if defences:
+        with spent.step("trusted_state"):
+            check_subscriber(state, chosen[0][0])
+    return Start(state, began, spent, torch, [timer for timer, _ in chosen], chosen[0][1])
 
 
 def warm_clock(

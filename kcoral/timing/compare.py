@@ -48,17 +48,7 @@ from kcoral.timing.ab_stats import (
     answer,
     ratio_interval,
 )
-from kcoral.timing.calibrate import (
-    DefenceTime,
-    calibrate,
-    check_subscriber,
-    choose_timer,
-    fail_on_changes,
-    import_torch_with_gpu,
-    is_cupti_failure,
-    wait_for_cool_gpu,
-    warm_up,
-)
+from kcoral.timing.calibrate import DefenceTime, calibrate, fail_on_changes, start, wait_for_cool_gpu, warm_up
 from kcoral.timing.conditions import gpu_conditions
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
 from kcoral.timing.inputs import (
@@ -73,7 +63,7 @@ from kcoral.timing.nvml import Nvml
 from kcoral.timing.seeds import note_seed
 from kcoral.timing.stats import MAX_COUNT, count_from_budget
 from kcoral.timing.timers import CuptiTimer, EventTimer
-from kcoral.timing.trust import ArmedState, armed
+from kcoral.timing.trust import ArmedState
 
 SIDES: Final = ("a", "b")
 SEED_BITS: Final = 63
@@ -124,34 +114,12 @@ def compare(
         print(answer["verdict"], answer["ratio"], answer["ratio_low"], answer["ratio_high"])
     """
     settings = CompareConfig.from_mapping(config)
-    timing = settings.timing
-    state = armed()
-    trusted = state.trusted
-    began = trusted.perf_counter()
-    spent = DefenceTime(trusted.perf_counter)
-    torch = import_torch_with_gpu(state)
-    with spent.step("trusted_state"):
-        fail_on_changes(state, "since the worker started (before the measurement)")
-    # One timer per side: a CUPTI timer keeps what its callable's probe launched.
-    timers = [choose_timer(timing.method, state) for _ in SIDES]
-    cupti_error = timers[0][1]
-    with spent.step("trusted_state"):
-        check_subscriber(state, timers[0][0])
-    with spent.step("inputs"):
-        plan = plan_inputs(torch, tuple(args), inputs)
-    try:
-        report = _run(state, torch, (a, b), [t for t, _ in timers], plan, check, settings, spent)
-    except ExecutionError:
-        raise
-    except Exception as exc:
-        if isinstance(timers[0][0], CuptiTimer) and is_cupti_failure(exc):
-            raise ExecutionError(
-                "integrity", f"CUPTI worked when the worker started but failed during the measurement: {exc!r}"
-            ) from exc
-        raise
-    report["cupti_error"] = cupti_error
-    report["wall_ms"] = round((trusted.perf_counter() - began) * 1e3, 3)
-    report["integrity_details"]["defences_ms"] = spent.report()
+    begun = start(settings.timing.method, len(SIDES))
+    with begun.spent.step("inputs"):
+        plan = plan_inputs(begun.torch, tuple(args), inputs)
+    with begun.measuring():
+        report = _run(begun.state, begun.torch, (a, b), begun.timers, plan, check, settings, begun.spent)
+    begun.finish(report)
     return report
 
 
