@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
@@ -47,24 +47,6 @@ DEFAULT_MAX_LEFT_OUT: Final = 0.2
 # is set aside (the clock moved under one side only); more than ``max_left_out`` of the rounds set
 # aside makes the run suspect. NVML's SM clock steps by 15 MHz: 3% is four steps at the H200's 1980.
 DEFAULT_CLOCK_TOLERANCE: Final = 0.03
-
-COMPARE_KEYS: Final = SHARED_KEYS | frozenset(
-    {
-        "threshold",
-        "confidence",
-        "target_halfwidth",
-        "budget_ms",
-        "min_rounds",
-        "max_rounds",
-        "block_ms",
-        "block",
-        "order",
-        "clock_floor",
-        "max_left_out",
-        "clock_tolerance",
-        "seed",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -125,6 +107,10 @@ class CompareConfig:
             seed=seed,
             timing=BenchmarkConfig.from_mapping({k: v for k, v in values.items() if k in SHARED_KEYS}),
         )
+
+
+# compare's own keys are its settings' fields (``timing`` holds the shared ones).
+COMPARE_KEYS: Final = SHARED_KEYS | frozenset(f.name for f in fields(CompareConfig) if f.name != "timing")
 
 
 def _number(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
@@ -24,22 +24,6 @@ DEFAULT_CLOCK_WARMUP_MS: Final = 1_000.0
 ESTIMATE_CALLS: Final = 5
 
 METHODS: Final = frozenset({"auto", "cupti", "cuda_event"})
-CONFIG_KEYS: Final = frozenset(
-    {
-        "warmup_ms",
-        "repeat_ms",
-        "warmup",
-        "repeat",
-        "flush_l2",
-        "launch_hold",
-        "clock_warmup_ms",
-        "method",
-        "defences",
-        "wait_cool_ms",
-        "cool_temp_c",
-        "idle_util_pct",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -96,6 +80,10 @@ class BenchmarkConfig:
             cool_temp_c=_bounded(values, "cool_temp_c", DEFAULT_COOL_TEMP_C, 120.0, "degrees C"),
             idle_util_pct=_bounded(values, "idle_util_pct", DEFAULT_IDLE_UTIL_PCT, 100.0, "percent"),
         )
+
+
+# The config keys are the settings' fields: a setting added is a key.
+CONFIG_KEYS: Final = frozenset(f.name for f in fields(BenchmarkConfig))
 
 
 def _budget(values: Mapping[str, Any], key: str, default: float, cap: float) -> float:
