@@ -43,7 +43,7 @@ SUBCOMMANDS = (
     ["keys", "generate"],
     *([adapter] for adapter in ("python", "ncu", "sanitizer", "iket", "remote")),
 )
-OTHER_PROGRAMS_FLAGS = {"--index-url", "--set", "--postprocess"} | {
+OTHER_PROGRAMS_FLAGS = {"--index-url", "--set", "--postprocess", "--enabled-cluster"} | {
     "--security-opt",
     "--privileged",
     "--from-file",

@@ -291,34 +291,228 @@ def test_ncu_fetches_the_report_and_its_csv(tool_broker: RunningBroker, fake_bin
     assert "saved prof/gemm.ncu-rep" in done.stderr
 
 
+# A stand-in for run-iket 4.8.1 (nvidia-cutlass-dsl-libs-base, iket/cli): the same command line
+# (its own options, then `profile` and its options, then `--` and the workload), the same passes (the
+# workload runs twice, a tracker pass and the traced pass, with CUTE_DSL_COMPILER_OPT=iket and
+# IKET_INJECTION_CONFIG naming the pass's config), the same messages, files and exit statuses as its
+# source reads. What the native injection library would record, the workload here writes itself:
+# FAKE_KERNEL appends its named ranges to `ranges.json` in the pass's folder. The decoded JSON's shape
+# is the one kcoral.tools.iket_trace reads (its field names are the decoder's; their nesting is not
+# confirmed on a GPU yet). A workload that records no range takes the path of run_iket.py for a tracker
+# that found no instrumented launch: no buffer, no raw capture, no trace, the workload's exit status.
 FAKE_RUN_IKET = """
-import pathlib, subprocess, sys
-args = sys.argv[1:]
-out = pathlib.Path(args[args.index("--output-dir") + 1])
-out.mkdir(parents=True, exist_ok=True)
-code = subprocess.call(args[args.index("--") + 1 :])
-(out / "trace.perfetto.json").write_text('{"traceEvents": []}')
-(out / "stages").mkdir(exist_ok=True)
-(out / "stages" / "mainloop.json").write_text("[]")
-pathlib.Path("intermediate.ptx").write_text("// ptx")
+import argparse, gzip, json, os, pathlib, shutil, subprocess, sys
+
+def say(*words):
+    print("[run-iket]", *words, flush=True)
+
+parser = argparse.ArgumentParser(prog="run-iket")
+parser.add_argument("--context-buffer-size")
+parser.add_argument("--log-level", choices=["error", "warn", "info"], default="error")
+parser.add_argument("--working-dir")
+parser.add_argument("--output-dir", "-o")
+parser.add_argument("--clobber", action="store_true")
+sub = parser.add_subparsers(required=True)
+profile = sub.add_parser("profile")
+profile.add_argument("--postprocess", choices=["perfetto", "json", "html", "none", "all"], default="perfetto")
+profile.add_argument("--keep", action=argparse.BooleanOptionalAction, default=False)
+profile.add_argument("--enabled-cluster")
+args, unknown = parser.parse_known_args()
+if not unknown or unknown == ["--"]:
+    parser.error('profile requires a workload command after "--"')
+if unknown[0] != "--":
+    raise RuntimeError('Command MUST start with "--"!')
+workload = unknown[1:]
+work = pathlib.Path.cwd().resolve()
+out = pathlib.Path(args.output_dir).resolve() if args.output_dir else work / "iket_output"
+if out == work or out in work.parents:
+    raise RuntimeError(f"Refusing to use {out} as the run-iket output directory")
+if out.exists():
+    if not args.clobber:
+        say(f"Output directory {out} already exists. Exit now.")
+        sys.exit(1)
+    say(f"Removing existing output directory: {out}")
+    shutil.rmtree(out)
+out.mkdir(parents=True)
+
+def launch(job):
+    folder = out / job
+    folder.mkdir()
+    config = folder / f"{job}.config.json"
+    config.write_text(json.dumps({"outputDir": str(folder), "toolName": job}))
+    env = dict(os.environ, CUTE_DSL_COMPILER_OPT="iket", IKET_INJECTION_CONFIG=str(config))
+    done = subprocess.run(workload, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    sys.stdout.write(done.stdout.decode())
+    sys.stdout.flush()
+    if done.returncode != 0:
+        say(f"Launch GPU workload exits abnormally with return code: {done.returncode} => Tool: {job}, Job: {job}")
+    ranges = json.loads((folder / "ranges.json").read_text()) if (folder / "ranges.json").exists() else []
+    return done.returncode, ranges
+
+say("============= Dry run application first to collect some info... =============")
+code, ranges = launch("tracker")
+if code != 0:
+    say(f"Tracker failed with return code: {code}")
+    sys.exit(1)
+(out / "gen-config").mkdir()
+(out / "gen-config" / "instrument.config.json").write_text('{"meta": {"version": 1}, "modules": []}')
+if ranges:
+    say("Auto-computed context buffer size: 0.00 GB (65,536 bytes)")
+else:
+    say("No kernel launches require a timestamp buffer; skipping context buffer allocation.")
+say("============= Run application for real profiling... =============")
+code, ranges = launch("iket")
+if code == 0 and ranges and args.postprocess != "none":
+    pid = 4242
+    (out / "iket" / f"pid_{pid}").mkdir()
+    (out / "iket" / f"pid_{pid}" / "iket.data.json").write_text("{}")
+    names = sorted({name for name, _, _ in ranges})
+    decoded = {
+        "stringTable": names,
+        "launches": [{
+            "kernelName": "kernel_row_sum",
+            "timerSource": "globaltimer",
+            "ranges": [
+                {"rangeNameIdx": names.index(n), "startTs": s, "endTs": e, "warpLocIdxs": [0]} for n, s, e in ranges
+            ],
+            "markers": [],
+        }],
+    }
+    trace = b"perfetto trace of " + json.dumps(ranges).encode()
+    if args.postprocess in ("perfetto", "all"):
+        (out / f"iket_pid_{pid}.pftrace").write_bytes(trace)
+        say(f"Dumped perfetto trace to {out}/iket_pid_{pid}.pftrace")
+    if args.postprocess in ("json", "all"):
+        (out / f"iket_pid_{pid}.trace.json").write_text(json.dumps(decoded))
+        say(f"Dumped json trace to {out}/iket_pid_{pid}.trace.json")
+    if args.postprocess in ("html", "all"):
+        (out / f"iket_pid_{pid}.pftrace.gz").write_bytes(gzip.compress(trace))
+        (out / f"iket_pid_{pid}.html").write_text("<html></html>")
+        say(f"Dumped perfetto HTML viewer to {out}/iket_pid_{pid}.html")
+if not args.keep and code == 0:
+    for name in ("tracker", "gen-config", "iket"):
+        say(f"Removing intermediate output directory: {out / name}")
+        shutil.rmtree(out / name)
 sys.exit(code)
 """
 
+# The workload: prints, then records its named ranges where the stand-in reads them (what IKET's
+# injection library does on a GPU). Its argv: the ranges as NAME:START:END, or `hang`, or `exit:N`.
+FAKE_KERNEL = """
+import json, os, pathlib, sys, time
+print("kernel ran", flush=True)
+args = sys.argv[1:]
+if args == ["hang"]:
+    time.sleep(600)
+if args and args[0].startswith("exit:"):
+    sys.exit(int(args[0].split(":")[1]))
+config = json.loads(pathlib.Path(os.environ["IKET_INJECTION_CONFIG"]).read_text())
+ranges = [[n, int(s), int(e)] for n, s, e in (a.split(":") for a in args)]
+pathlib.Path(config["outputDir"], "ranges.json").write_text(json.dumps(ranges))
+"""
 
-def test_iket_fetches_the_trace_folder_and_named_files(
-    tool_broker: RunningBroker, fake_bin: Path, tmp_path: Path
-) -> None:
+STAGES = ["load:0:100", "load:50:250", "load:10:110", "reduce:300:340", "reduce:300:360", "store:400:401"]
+
+
+@pytest.fixture
+def run_iket(fake_bin: Path) -> Iterator[Path]:
     tool = install_tool(fake_bin, "run-iket", FAKE_RUN_IKET)
-    try:
-        (tmp_path / "kernel.py").write_text("print('traced')\n")
-        done = kcoral(tmp_path, tool_broker.url, "iket", "--fetch", "intermediate.ptx", "--", "kernel.py")
-    finally:
-        tool.unlink()
+    yield tool
+    tool.unlink()
+
+
+def test_iket_brings_back_the_traces_and_summarizes_each_stage(
+    tool_broker: RunningBroker, run_iket: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "kernel.py").write_text(FAKE_KERNEL)
+    (tmp_path / "iket-trace").mkdir()
+    (tmp_path / "iket-trace" / "iket_pid_1.trace.json").write_text("{}")  # an earlier run's: not summarized
+    done = kcoral(tmp_path, tool_broker.url, "iket", "--", "kernel.py", *STAGES)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "traced\n"
-    assert json.loads((tmp_path / "iket-trace" / "trace.perfetto.json").read_text()) == {"traceEvents": []}
-    assert (tmp_path / "iket-trace" / "stages" / "mainloop.json").read_text() == "[]"
-    assert (tmp_path / "intermediate.ptx").read_text() == "// ptx"
+    # Both of run-iket's passes ran the script; run-iket prints its output with its own.
+    assert done.stdout.count("kernel ran\n") == 2
+    assert "[run-iket] ============= Run application for real profiling... =============" in done.stdout
+    trace = tmp_path / "iket-trace"
+    assert sorted(p.name for p in trace.iterdir()) == [
+        "iket_pid_1.trace.json",
+        "iket_pid_4242.html",
+        "iket_pid_4242.pftrace",
+        "iket_pid_4242.pftrace.gz",
+        "iket_pid_4242.trace.json",
+    ]
+    size = (trace / "iket_pid_4242.pftrace").stat().st_size
+    assert f"kcoral iket: trace iket-trace/iket_pid_4242.pftrace ({size} bytes)" in done.stderr
+    assert "iket_pid_1" not in done.stderr
+    assert "iket_pid_4242.trace.json: stage load: 3 ranges, median 100 ns" in done.stderr
+    assert "iket_pid_4242.trace.json: stage reduce: 2 ranges, median 50 ns" in done.stderr
+    assert "iket_pid_4242.trace.json: stage store: 1 range, median 1 ns" in done.stderr
+
+
+def test_iket_keeps_the_intermediates_and_fetches_named_files(
+    tool_broker: RunningBroker, run_iket: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "kernel.py").write_text(FAKE_KERNEL + "pathlib.Path('kernel.ptx').write_text('// ptx')\n")
+    done = kcoral(
+        tmp_path,
+        tool_broker.url,
+        "iket",
+        "--output-dir",
+        "traces/row-sum",
+        "--postprocess",
+        "perfetto",
+        "--keep",
+        "--fetch",
+        "kernel.ptx",
+        "--",
+        "kernel.py",
+        *STAGES,
+    )
+    assert done.returncode == 0, done.stderr
+    trace = tmp_path / "traces" / "row-sum"
+    assert sorted(p.name for p in trace.iterdir()) == ["gen-config", "iket", "iket_pid_4242.pftrace", "tracker"]
+    assert (trace / "iket" / "pid_4242" / "iket.data.json").is_file()
+    assert (tmp_path / "kernel.ptx").read_text() == "// ptx"
+    assert "no trace JSON (--postprocess perfetto), so no stage summary" in done.stderr
+
+
+def test_iket_on_a_kernel_without_markers_passes_run_iket_through(
+    tool_broker: RunningBroker, run_iket: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "kernel.py").write_text(FAKE_KERNEL)
+    done = kcoral(tmp_path, tool_broker.url, "iket", "--", "kernel.py")
+    assert done.returncode == 0, done.stderr  # run-iket's: the traced pass's exit status
+    assert "No kernel launches require a timestamp buffer; skipping context buffer allocation." in done.stdout
+    assert "kcoral iket: run-iket wrote no trace in iket-trace (exit status 0)" in done.stderr
+    assert not (tmp_path / "iket-trace").exists() or not any((tmp_path / "iket-trace").iterdir())
+
+
+def test_iket_passes_a_failing_workloads_status_through_run_iket(
+    tool_broker: RunningBroker, run_iket: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "kernel.py").write_text(FAKE_KERNEL)
+    done = kcoral(tmp_path, tool_broker.url, "iket", "--", "kernel.py", "exit:3")
+    assert done.returncode == 1, done.stderr  # run-iket exits 1 when its tracker pass fails
+    assert "[run-iket] Tracker failed with return code: 3" in done.stdout
+    assert "run-iket wrote no trace in iket-trace (exit status 1)" in done.stderr
+
+
+def test_iket_on_a_hanging_workload_stops_at_the_timeout(
+    tool_broker: RunningBroker, run_iket: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "kernel.py").write_text(FAKE_KERNEL)
+    started = time.monotonic()
+    done = kcoral(tmp_path, tool_broker.url, "iket", "--timeout", "3", "--", "kernel.py", "hang")
+    assert done.returncode == 124, done.stderr
+    assert "run-iket ran past the time limit and was stopped" in done.stderr
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("folder", [".", "/tmp/trace", "../trace"])
+def test_iket_refuses_an_output_dir_that_run_iket_may_not_own(tmp_path: Path, folder: str) -> None:
+    (tmp_path / "kernel.py").write_text("print('should not run')\n")
+    done = kcoral(tmp_path, "tcp://127.0.0.1:9", "iket", "--output-dir", folder, "--", "kernel.py")
+    assert done.returncode == 2, done.stderr
+    assert "--output-dir" in done.stderr and "below the working directory" in done.stderr
 
 
 # --- kcoral remote ---

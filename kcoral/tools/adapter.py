@@ -66,6 +66,7 @@ CONNECT_TIMEOUT_SECONDS = 10.0
 TOOL_DEADLINE_MARGIN_SECONDS = 10.0
 OUTCOME_KEY = "outcome"
 FETCHED_KEY = "fetched"
+SAVED_KEY = "saved"  # added here to the outcome: the files written locally
 
 
 class UsageError(Exception):
@@ -322,9 +323,11 @@ def execute(
     options: AdapterOptions, function: str, args: list[Any], *, report_only_on_stdout: bool = False
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the adapter program and show its output. Returns (exit status, outcome); the outcome is
-    None when there is none (the status then says why). ``report_only_on_stdout``: the program's
-    stdout is written to the local stderr with its stderr, after it ended, so that the local stdout
-    carries only what the adapter prints itself (``kcoral remote``'s report)."""
+    None when there is none (the status then says why), and its ``saved`` lists the files written
+    here from the fetches (relative paths, a fetched folder's files one by one).
+    ``report_only_on_stdout``: the program's stdout is written to the local stderr with its stderr,
+    after it ended, so that the local stdout carries only what the adapter prints itself (``kcoral
+    remote``'s report)."""
     from kcoral.client.blocking import Client
 
     if not options.url:
@@ -366,7 +369,9 @@ def execute(
         _say(options.tool, f"the service returned no outcome (got {type(outcome).__name__})")
         return EXIT_PROGRAM_FAILED, None
     status = outcome.get("exit_code", EXIT_OK)
-    save_fetches(options, outcome.get("fetched") or [], result.results.get(FETCHED_KEY), tool_failed=status != 0)
+    outcome[SAVED_KEY] = save_fetches(
+        options, outcome.get("fetched") or [], result.results.get(FETCHED_KEY), tool_failed=status != 0
+    )
     return (int(status) if isinstance(status, int) else EXIT_OK), outcome
 
 
@@ -403,18 +408,22 @@ def _show_error(tool: str, result: ProgramResult) -> None:
         sys.stderr.write(str(error["traceback"]).rstrip() + "\n")
 
 
-def save_fetches(options: AdapterOptions, kinds: Sequence[Any], staged: Any, *, tool_failed: bool) -> None:
-    """Write each fetched file or folder at its relative path under the current folder."""
+def save_fetches(options: AdapterOptions, kinds: Sequence[Any], staged: Any, *, tool_failed: bool) -> list[str]:
+    """Write each fetched file or folder at its relative path under the current folder; the relative
+    paths of the files written (those of a folder one by one)."""
     files: dict[str, ReturnedFile] = staged.files if isinstance(staged, ReturnedFolder) else {}
+    saved: list[str] = []
     for index, fetch in enumerate(options.fetches):
         kind = kinds[index] if index < len(kinds) else "missing"
         prefix = f"{index}/"
         try:
             if kind == "file" and str(index) in files:
                 files[str(index)].save(fetch.path, overwrite=True)
+                saved.append(fetch.path)
             elif kind == "folder":
                 inside = {rel[len(prefix) :]: f for rel, f in files.items() if rel.startswith(prefix)}
                 ReturnedFolder(inside).save(fetch.path, overwrite=True)
+                saved.extend(f"{fetch.path.rstrip('/')}/{rel}" for rel in sorted(inside))
             elif kind == "outside":
                 _say(options.tool, f"--fetch {fetch.path}: it leads outside the remote working directory; not fetched")
                 continue
@@ -427,6 +436,7 @@ def save_fetches(options: AdapterOptions, kinds: Sequence[Any], staged: Any, *, 
             continue
         if fetch.automatic:
             _say(options.tool, f"saved {fetch.path}")
+    return saved
 
 
 def usage_error(tool: str, message: str) -> int:
