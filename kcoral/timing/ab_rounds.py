@@ -23,6 +23,7 @@ from kcoral.timing.ab_stats import (
     stop_reason,
 )
 from kcoral.timing.calibrate import Calibration
+from kcoral.timing.calls import CountedCalls
 from kcoral.timing.inputs import OutputReservoir
 from kcoral.timing.nvml import Nvml, clocks_apart, power_capped, sample_left_out
 from kcoral.timing.timers import CuptiTimer, EventTimer
@@ -73,16 +74,11 @@ class Side:
         """Time one block of calls; (the samples kept, all of them, the SM clocks of those kept).
         Those left out are counted in ``left_out``."""
         clocks = ClockReadings(nvml)
-        measurement, _ = self.timer.measure(
-            self.ready.runner,
-            self.block,
-            self.ready.hold_cycles,
-            nvml,
-            hold_ns=self.ready.hold_ns,
-            reservoir=self.reservoir,
-            busy=self.ready.unheld,
-            after_call=clocks.read,
+        ready = self.ready
+        counted = CountedCalls(
+            ready.runner, self.block, ready.hold_cycles, ready.hold_ns, ready.unheld, self.reservoir, clocks.read
         )
+        measurement, _ = self.timer.measure(counted, nvml)
         if measurement.tampering:
             raise ExecutionError("integrity", describe_changes(measurement.tampering))
         kept: list[float] = []

@@ -26,7 +26,7 @@ from kcoral.timing.calibrate import (
     wait_for_cool_gpu,
     warm_up,
 )
-from kcoral.timing.calls import check_kept
+from kcoral.timing.calls import CountedCalls, check_kept
 from kcoral.timing.conditions import CoolWait, gpu_conditions
 from kcoral.timing.config import BenchmarkConfig, split_config
 from kcoral.timing.findings import EnvironmentWatch, host_gap_reason, verdict
@@ -225,14 +225,13 @@ def _measure(setup: _Setup, ready: Calibration, nvml: Nvml | None, repeat: int) 
         with spent.step("environment"):
             now_us = int(time.time() * 1e6)
             watch = EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, now_us)
-    hold_cycles, hold_ns, unheld = ready.hold_cycles, ready.hold_ns, ready.unheld
+    kept = reservoir if defences else None
+    counted = CountedCalls(runner, repeat, ready.hold_cycles, ready.hold_ns, ready.unheld, kept)
     if defences:
         with QuietInterpreter(trusted):
-            measurement, after = timer.measure(
-                runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, reservoir=reservoir, busy=unheld
-            )
+            measurement, after = timer.measure(counted, nvml)
     else:
-        measurement, after = timer.measure(runner, repeat, hold_cycles, nvml, hold_ns=hold_ns, busy=unheld)
+        measurement, after = timer.measure(counted, nvml)
     reasons = list(measurement.reasons)
     spent.add("outputs", reservoir.snapshot_ms)
     if watch is not None:

@@ -1,10 +1,10 @@
 """How ``benchmark`` runs the counted calls: the runner and the timed loop.
 
 ``Runner`` runs the user's call with its inputs, the L2 flush, the launch hold and synchronisation
-around it, through references captured at arm (``kcoral.timing.trust``); ``timed_calls`` runs a
-batch of calls, each between two device-wide synchronisations that it stamps on CUPTI's clock (the
-call's *window*), with the timer's own work marked by external ids. The timers that turn a batch
-into latencies are in ``kcoral.timing.timers``.
+around it, through references captured at arm (``kcoral.timing.trust``); ``CountedCalls`` is a
+batch a timer times, and ``timed_calls`` runs a batch of calls, each between two device-wide
+synchronisations that it stamps on CUPTI's clock (the call's *window*), with the timer's own work
+marked by external ids. The timers that turn a batch into latencies are in ``kcoral.timing.timers``.
 """
 
 from __future__ import annotations
@@ -153,6 +153,35 @@ class TimedCalls:
     stack_changes: list[str] = field(default_factory=list)
     trailing_end_ns: int | None = None
     first_input_index: int = 0
+
+
+@dataclass(frozen=True)
+class CountedCalls:
+    """The counted calls a timer times (``measure`` of ``kcoral.timing.timers``' timers): ``repeat``
+    calls of ``runner``, each behind a hold of ``hold_cycles`` (``hold_ns`` long). ``busy``: report
+    each call's busy time (the union of its activities) rather than its span, for calls whose work
+    no hold could hold (``timers.UNHELD_MEASURE``); ``reservoir``, ``after_call``: as in
+    :func:`timed_calls`."""
+
+    runner: Runner
+    repeat: int
+    hold_cycles: int
+    hold_ns: int = 0
+    busy: bool = False
+    reservoir: OutputReservoir | None = None
+    after_call: Callable[[], None] | None = None
+
+    def run(self, tracer: CuptiTracer | None = None, base: int = 0) -> TimedCalls:
+        return timed_calls(
+            self.runner,
+            self.repeat,
+            hold_cycles=self.hold_cycles,
+            tracer=tracer,
+            base=base,
+            hold_ns=self.hold_ns,
+            reservoir=self.reservoir,
+            after_call=self.after_call,
+        )
 
 
 class _Brackets:

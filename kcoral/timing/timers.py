@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.errors import ExecutionError
-from kcoral.timing.calls import Runner, TimedCalls, timed_calls
+from kcoral.timing.calls import CountedCalls, Runner, TimedCalls, timed_calls
 from kcoral.timing.cupti import (
     CuptiTracer,
     reserve_external_ids,
 )
-from kcoral.timing.inputs import KeptOutput, OutputReservoir
+from kcoral.timing.inputs import KeptOutput
 from kcoral.timing.nvml import Nvml, clock_state
 from kcoral.timing.stats import activities_stable
 from kcoral.timing.windows import WindowTimings, attribute
@@ -138,32 +138,12 @@ class CuptiTimer:
             hold_us = min(MAX_HOLD_US, hold_us * 2)
         return hold_us, "on, but the host still launched late after the last lengthening"
 
-    def measure(
-        self,
-        runner: Runner,
-        repeat: int,
-        hold_cycles: int,
-        nvml: Nvml | None,
-        *,
-        hold_ns: int = 0,
-        reservoir: OutputReservoir | None = None,
-        busy: bool = False,
-        after_call: Callable[[], None] | None = None,
-    ) -> tuple[Measurement, dict[str, Any]]:
-        """Time ``repeat`` calls. ``busy``: report each call's busy time (the union of its activities)
-        rather than its span, for calls whose work no hold could hold (see ``UNHELD_MEASURE``)."""
+    def measure(self, counted: CountedCalls, nvml: Nvml | None) -> tuple[Measurement, dict[str, Any]]:
+        """Time the counted calls; the clock state after them beside the measurement."""
         base = reserve_external_ids()
-        calls = timed_calls(
-            runner,
-            repeat,
-            hold_cycles=hold_cycles,
-            tracer=self._tracer,
-            base=base,
-            hold_ns=hold_ns,
-            reservoir=reservoir,
-            after_call=after_call,
-        )
+        calls = counted.run(self._tracer, base)
         after = clock_state(nvml)
+        repeat, hold_cycles, reservoir = counted.repeat, counted.hold_cycles, counted.reservoir
         timings, record_errors = _timings(self._tracer, calls, base)
         tampering = list(calls.stack_changes)
         tampering.extend(f"CUPTI record processing failed: {error}" for error in record_errors[:3])
@@ -172,7 +152,7 @@ class CuptiTimer:
                 f"{timings.forged_activities} GPU activities carried the timer's own external ids without being "
                 "its work (the ids were read from the timer and reused to hide work)"
             )
-        tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, runner.flush_shape is not None))
+        tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, counted.runner.flush_shape is not None))
         for kind in sorted(self.probe_kinds - timings.sentinels_seen):
             tampering.append(
                 f"CUPTI recorded the timer's own {kind} before the timed calls but not after them: "
@@ -196,7 +176,7 @@ class CuptiTimer:
         }
         return (
             Measurement(
-                samples_ms=timings.busy_ms if busy else timings.spans_ms,
+                samples_ms=timings.busy_ms if counted.busy else timings.spans_ms,
                 stable=timings.empty_calls == 0 and activities_stable(timings.signatures),
                 empty_calls=timings.empty_calls,
                 activities_per_call=counts.pop() if len(counts) == 1 else None,
@@ -271,22 +251,10 @@ class EventTimer:
     def fit_hold(self, runner: Runner, hold_us: float, cycles_per_us: float) -> tuple[float, str]:
         return hold_us, "on"  # without CUPTI neither lateness nor other streams can be seen
 
-    def measure(
-        self,
-        runner: Runner,
-        repeat: int,
-        hold_cycles: int,
-        nvml: Nvml | None,
-        *,
-        hold_ns: int = 0,
-        reservoir: OutputReservoir | None = None,
-        busy: bool = False,
-        after_call: Callable[[], None] | None = None,
-    ) -> tuple[Measurement, dict[str, Any]]:
-        calls = timed_calls(
-            runner, repeat, hold_cycles=hold_cycles, hold_ns=hold_ns, reservoir=reservoir, after_call=after_call
-        )
+    def measure(self, counted: CountedCalls, nvml: Nvml | None) -> tuple[Measurement, dict[str, Any]]:
+        calls = counted.run()
         after = clock_state(nvml)
+        reservoir = counted.reservoir
         host_ms = [
             (
                 max(0, window.return_ns - window.call_ns)
