@@ -1,5 +1,6 @@
 """What many tests share and import: starting a real broker for a test, a free port, whether a GPU
-is here. The fixtures built on these live in ``tests/conftest.py``."""
+is here, one function of uploaded source run as a program. The fixtures built on these live in
+``tests/conftest.py``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Unpack
 
-from kcoral import testing
+from kcoral import Client, Program, ProgramResult, testing
 from kcoral.testing import RunningService as RunningBroker
 from kcoral.testing import free_port as free_port
 
-__all__ = ["BrokerFactory", "RunningBroker", "free_port", "has_gpu", "start_broker"]
+__all__ = ["BrokerFactory", "RunningBroker", "free_port", "has_gpu", "run_function", "start_broker"]
 
 
 def called_from(name: str) -> bool:
@@ -42,6 +43,16 @@ def start_broker(
     """A broker for a test: debug logs, and no sandbox unless the test asks for one."""
     sandbox = () if "--sandbox" in args else ("--sandbox", "none")
     return testing.start_broker(tmp_path, *args, *sandbox, port=port, **launch)
+
+
+def run_function(url: str, source: str, name: str, *args: object, timeout_seconds: float = 120.0) -> ProgramResult:
+    """Upload ``source`` as a module and run its function ``name`` on ``args`` through a client of
+    its own; the value comes back under ``out``."""
+    program = Program()
+    fn = program.get_function(module=program.upload(kind="module", source=source), name=name)
+    program.return_(key="out", value=program.run(fn=fn, args=list(args)))
+    with Client(url) as client:
+        return client.execute(program, timeout_seconds=timeout_seconds)
 
 
 BrokerFactory = Callable[..., RunningBroker]

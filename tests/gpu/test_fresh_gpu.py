@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kcoral import Client, Program, ProgramResult
+from kcoral import Client, Program
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
-from tests.helpers import RunningBroker, start_broker
+from tests.gpu.programs import GPU_BUSY, overlapped
+from tests.helpers import RunningBroker, run_function, start_broker
 
 torch = pytest.importorskip("torch")
 
@@ -48,25 +49,6 @@ def probe():
     }
 """
 
-BUSY = """
-import time
-import torch
-
-def busy(seconds):
-    x = torch.randn(2048, 2048, device="cuda")
-    start = time.time()
-    while time.time() - start < seconds:
-        x = x @ x
-        x = x / x.norm()
-        torch.cuda.synchronize()
-    return start, time.time()
-
-def span():
-    start = time.time()
-    torch.ones(1, device="cuda").sum().item()
-    return start, time.time()
-"""
-
 
 def _broker(tmp: Path, *flags: str) -> RunningBroker:
     return start_broker(tmp, "--sandbox", SANDBOX, "--device", "gpu", "--gpus", "0", *flags)
@@ -79,16 +61,8 @@ def eager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
     running.stop()
 
 
-def run(url: str, source: str, name: str, *args: object) -> ProgramResult:
-    program = Program()
-    fn = program.get_function(module=program.upload(kind="module", source=source), name=name)
-    program.return_(key="out", value=program.run(fn=fn, args=list(args)))
-    with Client(url) as client:
-        return client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S)
-
-
 def test_each_program_finds_a_fresh_context_made_ahead_on_its_gpu(eager: RunningBroker) -> None:
-    results = [run(eager.url, PROBE, "probe") for _ in range(PROGRAMS)]
+    results = [run_function(eager.url, PROBE, "probe") for _ in range(PROGRAMS)]
     for result in results:
         assert result.completed, result.error
         out = result.results["out"]
@@ -103,7 +77,7 @@ def test_each_program_finds_a_fresh_context_made_ahead_on_its_gpu(eager: Running
 def test_a_lazy_broker_leaves_the_context_to_the_program(tmp_path: Path) -> None:
     lazy = _broker(tmp_path, "--cuda-context", "lazy", "--workers-per-gpu", "1")
     try:
-        result = run(lazy.url, PROBE, "probe")
+        result = run_function(lazy.url, PROBE, "probe")
     finally:
         lazy.stop()
     assert result.completed, result.error
@@ -114,16 +88,14 @@ def test_with_the_quiet_handover_two_programs_never_share_the_gpu(tmp_path: Path
     quiet = _broker(tmp_path, "--gpu-handover", "quiet", "--workers-per-gpu", "2")
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            first = pool.submit(run, quiet.url, BUSY, "busy", 1.0)
+            first = pool.submit(run_function, quiet.url, GPU_BUSY, "busy", 1.0)
             time.sleep(0.3)
-            second = pool.submit(run, quiet.url, BUSY, "span")
+            second = pool.submit(run_function, quiet.url, GPU_BUSY, "span")
             before, after = first.result(), second.result()
     finally:
         quiet.stop()
     assert before.completed and after.completed, (before.error, after.error)
-    busy_start, busy_end = before.results["out"]
-    start, end = after.results["out"]
-    assert start >= busy_end or end <= busy_start, "two programs used the GPU at once"
+    assert not overlapped(before.results["out"], after.results["out"]), "two programs used the GPU at once"
     assert after.lease_wait_ms > 0
 
 
@@ -132,8 +104,8 @@ def test_a_session_keeps_one_worker_and_its_context_for_its_client_alone(eager: 
     fn = program.get_function(module=program.upload(kind="module", source=PROBE), name="probe")
     program.return_(key="out", value=program.run(fn=fn))
     with Client(eager.url, session=True) as client, Client(eager.url) as other:
-        mine = [client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S) for _ in range(PROGRAMS)]
-        theirs = other.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S)
+        mine = [client.execute(program) for _ in range(PROGRAMS)]
+        theirs = other.execute(program)
     for result in [*mine, theirs]:
         assert result.completed, result.error
     assert len({r.worker["identity"] for r in mine}) == 1  # one worker, its CUDA context kept

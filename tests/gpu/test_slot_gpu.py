@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kcoral import Client, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
-from tests.helpers import RunningBroker, start_broker
+from tests.gpu.programs import GPU_BUSY, overlapped
+from tests.helpers import RunningBroker, run_function, start_broker
 
 torch = pytest.importorskip("torch")
 
@@ -27,12 +27,12 @@ try:
 except SandboxUnavailable as exc:
     BWRAP_ERROR = str(exc)
 
-PROGRAM_TIMEOUT_S = 120
 KERNELS_S = 1.5
 
-THIEF = """
-import gc, os, time
-import torch
+THIEF = (
+    GPU_BUSY
+    + """
+import gc, os
 import zmq
 from kcoral import protocol
 
@@ -41,25 +41,16 @@ def give_back_and_keep_computing(seconds):
     for obj in gc.get_objects():
         if isinstance(obj, zmq.Socket) and not obj.closed:
             obj.send_multipart(protocol.message(protocol.RELEASE, {"request_id": request_id}))
-    x = torch.randn(2048, 2048, device="cuda")
-    start = time.time()
-    while time.time() - start < seconds:
-        x = x @ x
-        x = x / x.norm()
-        torch.cuda.synchronize()
-    return start, time.time()
+    return busy(seconds)
 """
+)
 
-NEXT = """
-import time
-import torch
+NEXT = (
+    GPU_BUSY
+    + """
 torch.zeros(1, device="cuda")  # the context before the lease
-
-def span():
-    start = time.time()
-    torch.ones(1, device="cuda").sum().item()
-    return start, time.time()
 """
+)
 
 
 @pytest.fixture(scope="module", params=["none", "bubblewrap"])
@@ -74,22 +65,12 @@ def broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     running.stop()
 
 
-def run(url: str, source: str, name: str, *args: object) -> ProgramResult:
-    program = Program()
-    fn = program.get_function(module=program.upload(kind="module", source=source), name=name)
-    program.return_(key="out", value=program.run(fn=fn, args=list(args)))
-    with Client(url) as client:
-        return client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S)
-
-
 def test_a_program_that_gives_its_lease_back_keeps_the_gpu_until_it_exits(broker: RunningBroker) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        thief = pool.submit(run, broker.url, THIEF, "give_back_and_keep_computing", KERNELS_S)
+        thief = pool.submit(run_function, broker.url, THIEF, "give_back_and_keep_computing", KERNELS_S)
         time.sleep(KERNELS_S / 3)
-        after = pool.submit(run, broker.url, NEXT, "span")
+        after = pool.submit(run_function, broker.url, NEXT, "span")
         stolen, waited = thief.result(), after.result()
     assert stolen.completed, stolen.error
     assert waited.completed, waited.error
-    thief_started, thief_ended = stolen.results["out"]
-    started, ended = waited.results["out"]
-    assert started >= thief_ended or ended <= thief_started, "two programs used the GPU at once"
+    assert not overlapped(stolen.results["out"], waited.results["out"]), "two programs used the GPU at once"
