@@ -28,10 +28,10 @@ from kcoral import protocol
 from kcoral.timing import seeds
 from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, limits, processes
-from kcoral.worker import workspace as workspace_files
 from kcoral.worker.capture import OutputCapture, OutputFollower
 from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
 from kcoral.worker.result_bounds import bounded_result, failed_body
+from kcoral.worker.run_directory import RunDirectory
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
 # How long a worker waits for the broker before it takes the broker for gone.
@@ -85,6 +85,7 @@ def execute_program(
     follow_output: Callable[[str, int, str], None] | None = None,
     socket_lock: threading.Lock | None = None,
     wipe_later: list[Callable[[], None]] | None = None,
+    directories: RunDirectory | None = None,
 ) -> ExecutionOutcome:
     """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
 
@@ -95,15 +96,17 @@ def execute_program(
     stderr stay exactly what it wrote.
 
     Unless this is the worker's ``last`` program, the process-wide state the program may change
-    is put back afterwards (see :mod:`kcoral.worker.state`) and its directory removed. A last
-    program skips both: the worker exits anyway (the zygote wipes the workspace after the exit),
-    and the snapshot would touch (and so copy, after the fork) megabytes of pages.
+    is put back afterwards (see :mod:`kcoral.worker.state`) and the workspace emptied, its run
+    directory kept for the next program (``directories``, :mod:`kcoral.worker.run_directory`). A
+    last program skips both: the worker exits anyway (the zygote wipes the workspace after the
+    exit), and the snapshot would touch (and so copy, after the fork) megabytes of pages.
     """
     request_id = protocol.check_id(request.get("request_id"), "request_id")
     options = request.get("options") or {}
     gpu_ids = [int(g) for g in request.get("gpu_ids", [])]
     output_limit = int(options.get("output_limit_bytes", protocol.DEFAULT_OUTPUT_LIMIT_BYTES))
     run_dir = workspace / f"run-{request_id}"
+    directories = directories or RunDirectory(workspace)
     saved = None if last else ProcessState.capture()
     lease = LeaseChannel(socket, request_id, gpu_ids, socket_lock)
     interpreter = Interpreter(request, blobs, run_dir, lease, progress)
@@ -115,8 +118,7 @@ def execute_program(
     try:
         # First of all: in a sandbox, keep only this program's GPUs and drop every capability.
         refusal = confinement.confine(gpu_ids)
-        for sub in ("work", "home", "tmp"):
-            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        directories.make(run_dir, keep=not last)
         os.environ.update(
             HOME=str(run_dir / "home"),
             TMPDIR=str(run_dir / "tmp"),
@@ -189,9 +191,9 @@ def execute_program(
             # workspace empty, as a fresh worker would: at once, or (``wipe_later``) once the
             # caller has sent the RESULT, before it reads the next program.
             if wipe_later is None:
-                workspace_files.wipe(workspace)
+                directories.wipe(run_dir)
             else:
-                wipe_later.append(lambda: workspace_files.wipe(workspace))
+                wipe_later.append(lambda: directories.wipe(run_dir))
         # A last program's directory goes with the slot's workspace, which the zygote wipes after
         # this process has exited and before the next worker is announced: off the program's path
         # (removing its five directories here took 5 to 25 ms before the RESULT on the loaded
@@ -244,6 +246,7 @@ def run_worker(settings: WorkerSettings) -> int:
         # While no program is here yet: the broker gives a program the slot's own GPU first.
         confinement.prepare((settings.gpu,))
     done = 0
+    directories = RunDirectory(settings.workspace)  # kept, emptied, between the programs of a reused worker
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
     silent_since = time.monotonic()
@@ -271,7 +274,7 @@ def run_worker(settings: WorkerSettings) -> int:
             processes.set_dumpable(True)
             wipe_later: list[Callable[[], None]] = []
             try:
-                outcome = _execute_message(body, data, settings, socket, wipe_later)
+                outcome = _execute_message(body, data, settings, socket, wipe_later, directories)
             except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
                 outcome = ExecutionOutcome(
                     failed_body(str(body.get("request_id", "")), "runtime", f"the worker failed: {exc!r}"),
@@ -412,6 +415,7 @@ def _execute_message(
     settings: WorkerSettings,
     socket: zmq.Socket[bytes],
     wipe_later: list[Callable[[], None]] | None = None,
+    directories: RunDirectory | None = None,
 ) -> ExecutionOutcome:
     request_id = str(body.get("request_id", ""))
     try:
@@ -458,6 +462,7 @@ def _execute_message(
             follow_output=output,
             socket_lock=lock,
             wipe_later=wipe_later,
+            directories=directories,
         )
         error = outcome.body.get("error")
         if isinstance(error, dict) and error.get("kind") == "response_too_large":

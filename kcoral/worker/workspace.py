@@ -54,13 +54,18 @@ def wipe(directory: Path) -> None:
     which a plain rmtree would leave behind for the next program to open again."""
     directory.mkdir(parents=True, exist_ok=True)
     for entry in directory.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            remove_tree(entry)
-        else:
-            try:
-                entry.unlink()
-            except OSError:
-                pass
+        remove_entry(entry)
+
+
+def remove_entry(entry: Path) -> None:
+    """Remove a file, a link (never its target) or a whole directory tree."""
+    if entry.is_dir() and not entry.is_symlink():
+        remove_tree(entry)
+    else:
+        try:
+            entry.unlink()
+        except OSError:
+            pass
 
 
 def remove_tree(path: Path) -> None:

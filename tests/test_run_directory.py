@@ -1,0 +1,108 @@
+"""A reused worker's run directory (kcoral.worker.run_directory): the next program finds the
+workspace as a fresh worker would (one run directory of its own name, its subdirectories empty,
+with the mode, extended attributes and inode flags they were made with), and whatever a program
+did to them that cannot be put back gets it new directories instead."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kcoral.worker import run_directory
+from kcoral.worker.run_directory import SUBDIRECTORIES, RunDirectory
+
+FS_NODUMP_FL = 0x40  # chattr +d: an inode flag a file's owner may set
+
+
+def state(run_dir: Path) -> dict[str, tuple[int, int, list[str], dict[str, bytes], int | None]]:
+    """Each directory's inode, mode, entries, extended attributes and flags."""
+    found = {}
+    for name in ("", *SUBDIRECTORIES):
+        path = run_dir / name
+        info = os.lstat(path)
+        found[name] = (
+            info.st_ino,
+            stat.S_IMODE(info.st_mode),
+            sorted(os.listdir(path)),
+            run_directory._xattrs(path),
+            run_directory._flags(path),
+        )
+    return found
+
+
+def first_program(tmp_path: Path) -> tuple[RunDirectory, Path, dict[str, tuple]]:
+    directories = RunDirectory(tmp_path)
+    run_dir = tmp_path / "run-first"
+    directories.make(run_dir)
+    return directories, run_dir, state(run_dir)
+
+
+def test_the_next_program_gets_the_emptied_directories_under_its_own_name(tmp_path: Path) -> None:
+    directories, run_dir, made = first_program(tmp_path)
+    (run_dir / "work" / "data").mkdir()
+    (run_dir / "work" / "data" / "x.txt").write_text("left by the first program")
+    (run_dir / "home" / ".cache").write_text("x")
+    (run_dir / "output" / "stdout").write_text("printed")
+    (run_dir / "modules").mkdir()
+    (tmp_path / "beside.txt").write_text("outside its run directory")
+    os.symlink("/etc", tmp_path / "link")
+    os.chmod(run_dir / "tmp", 0)  # closed to its owner too
+    os.chmod(run_dir / "work", 0o2700)
+    directories.wipe(run_dir)
+    assert directories.kept == run_dir
+    assert os.listdir(tmp_path) == ["run-first"]
+
+    second = tmp_path / "run-second"
+    directories.make(second)
+    assert os.listdir(tmp_path) == ["run-second"]
+    assert state(second) == made  # the same directories, emptied, as they were made
+
+
+def test_extended_attributes_and_inode_flags_are_put_back(tmp_path: Path) -> None:
+    directories, run_dir, made = first_program(tmp_path)
+    try:
+        os.setxattr(run_dir / "home", "user.kcoral-test", b"from the first program")
+    except OSError:
+        pytest.skip("no user extended attributes on this filesystem")
+    with contextlib.suppress(OSError):  # where the filesystem has inode flags
+        flags = run_directory._flags(run_dir / "work")
+        if flags is not None:
+            run_directory._set_flags(run_dir / "work", flags | FS_NODUMP_FL)
+    directories.wipe(run_dir)
+    directories.make(tmp_path / "run-second")
+    assert state(tmp_path / "run-second") == made
+
+
+@pytest.mark.parametrize("replace", ["a link", "a file", "a new directory"])
+def test_a_subdirectory_replaced_means_new_directories(tmp_path: Path, replace: str) -> None:
+    directories, run_dir, made = first_program(tmp_path)
+    target = tmp_path.parent / f"{tmp_path.name}-target"
+    target.mkdir()
+    (target / "keep.txt").write_text("not the program's to have removed")
+    os.rename(run_dir / "tmp", run_dir / "tmp-old")
+    if replace == "a link":
+        os.symlink(target, run_dir / "tmp")
+    elif replace == "a file":
+        (run_dir / "tmp").write_text("x")
+    else:
+        (run_dir / "tmp").mkdir()
+    directories.wipe(run_dir)
+    assert directories.kept is None
+    assert os.listdir(tmp_path) == []  # wiped as a fresh worker's, the link's target left alone
+    assert (target / "keep.txt").read_text() == "not the program's to have removed"
+
+    directories.make(tmp_path / "run-second")
+    now = state(tmp_path / "run-second")
+    # (made anew: ext4 may give them the inode numbers it just freed)
+    assert {name: entry[1:] for name, entry in now.items()} == {name: entry[1:] for name, entry in made.items()}
+
+
+def test_a_last_program_keeps_nothing(tmp_path: Path) -> None:
+    directories = RunDirectory(tmp_path)
+    directories.make(tmp_path / "run-last", keep=False)
+    directories.wipe(tmp_path / "run-last")
+    assert directories.kept is None and os.listdir(tmp_path) == []
