@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, save_json
 from kcoral import AsyncClient, KCoralError, Program, ProgramResult, protocol
 from kcoral.testing import RunningService, start_broker
+from tests.hostile_programs import FLOOD, SPREAD
 
 FLAGS = (
     "--fake-gpus", "1", "--workers-per-gpu", "2", "--memory-limit", "1g", "--max-processes", "64",
@@ -49,11 +50,10 @@ FLAGS = (
 TIMEOUT_S = 30.0
 QUEUE_NAME = "/kcoral-campaign"
 
-HOSTILE = r"""
-import ctypes, gc, os, socket, threading, time
-import zmq
-from kcoral import protocol
-CLONE_PARENT, SIGCHLD, SYS_CLONE = 0x00008000, 17, 56
+# The hostile kinds' functions, one module; flood and spread are the ones tests/test_hostile.py runs.
+HOSTILE = (
+    r"""
+import ctypes, os, socket, time
 
 def constant(x):
     return x
@@ -70,32 +70,6 @@ def crash():
 
 def fail():
     raise RuntimeError("on purpose")
-
-def flood(seconds):
-    sockets = [o for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed]
-    body = protocol.message(protocol.PROGRESS, {"request_id": os.environ["KCORAL_REQUEST_ID"], "index": 0})
-    def run():
-        while True:
-            for sock in sockets:
-                try:
-                    sock.send_multipart(body, zmq.NOBLOCK)
-                except Exception:
-                    pass
-    threading.Thread(target=run, daemon=True).start()
-    time.sleep(seconds)
-    return "flooded"
-
-def spread(children, mib, hold_s):
-    libc = ctypes.CDLL(None, use_errno=True)
-    for _ in range(children):
-        if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
-            try:
-                block = b"\x01" * (mib << 20)
-                time.sleep(hold_s)
-            finally:
-                os._exit(0)
-    time.sleep(hold_s + 0.5)
-    return "spread"
 
 def bomb(mib):
     return len(b"\x01" * (mib << 20))
@@ -148,6 +122,9 @@ def reach(name):
     except OSError:
         return "unreachable"
 """
+    + FLOOD
+    + SPREAD
+)
 
 
 @dataclass(frozen=True)

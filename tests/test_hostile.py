@@ -17,6 +17,7 @@ import pytest
 from kcoral import Client, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from tests.conftest import RunningBroker, start_broker
+from tests.hostile_programs import FLOOD, SPREAD
 
 try:
     check_bwrap()
@@ -56,32 +57,6 @@ def execute(url: str, program: Program) -> ProgramResult:
         return client.execute(program, timeout_seconds=TIMEOUT_S)
 
 
-FLOOD = """
-import gc, os, threading, time
-import zmq
-from kcoral import protocol
-
-def flood(seconds):
-    # The worker's own socket, found the way any code in its process can find it.
-    sockets = [o for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed]
-    body = protocol.message(protocol.PROGRESS, {"request_id": os.environ["KCORAL_REQUEST_ID"], "index": 0})
-
-    def run():
-        while True:
-            for sock in sockets:
-                try:
-                    sock.send_multipart(body, zmq.NOBLOCK)
-                except Exception:
-                    pass
-
-    # One thread (two on one zmq socket crash libzmq: the program's own doing), which goes on
-    # after the function returns, while the worker sends its RESULT.
-    threading.Thread(target=run, daemon=True).start()
-    time.sleep(seconds)
-    return "done"
-"""
-
-
 def test_a_progress_flood_from_the_programs_own_thread_loses_no_result(broker: RunningBroker) -> None:
     programs = []
     for _ in range(8):
@@ -94,31 +69,6 @@ def test_a_progress_flood_from_the_programs_own_thread_loses_no_result(broker: R
     for result in results:
         assert result.completed, result.error
     assert execute(broker.url, program_of("def f():\n    return 1\n", "f")).results["out"] == 1
-
-
-SPREAD = """
-import ctypes, os, time
-CLONE_PARENT, SIGCHLD, SYS_CLONE = 0x00008000, 17, 56  # x86_64
-
-def spread(children, mib, hold_s):
-    # Children of the worker's parent, each under the per-process limit, together over the slot's.
-    libc = ctypes.CDLL(None, use_errno=True)
-    r, w = os.pipe()
-    for _ in range(children):
-        if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
-            try:
-                block = b"\\x01" * (mib << 20)
-                os.write(w, b"1")
-                time.sleep(hold_s)
-            finally:
-                os._exit(0)
-    os.close(w)
-    deadline, held = time.monotonic() + hold_s, b""
-    while len(held) < children and time.monotonic() < deadline:
-        held += os.read(r, children)
-    time.sleep(hold_s)
-    return len(held)  # how many children held their block
-"""
 
 
 def test_memory_spread_over_clone_parent_children_does_not_complete(broker: RunningBroker) -> None:

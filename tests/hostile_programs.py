@@ -1,0 +1,58 @@
+"""Hostile programs that more than one place uploads: ``tests/test_hostile.py`` and the campaign
+(``benchmarks/campaign.py``). Each is a module's source, with its own imports.
+"""
+
+from __future__ import annotations
+
+# flood(seconds): PROGRESS from a thread of the program's own, on the worker's socket, which goes
+# on after the function returns.
+FLOOD = """
+import gc, os, threading, time
+import zmq
+from kcoral import protocol
+
+def flood(seconds):
+    # The worker's own socket, found the way any code in its process can find it.
+    sockets = [o for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed]
+    body = protocol.message(protocol.PROGRESS, {"request_id": os.environ["KCORAL_REQUEST_ID"], "index": 0})
+
+    def run():
+        while True:
+            for sock in sockets:
+                try:
+                    sock.send_multipart(body, zmq.NOBLOCK)
+                except Exception:
+                    pass
+
+    # One thread (two on one zmq socket crash libzmq: the program's own doing), which goes on
+    # after the function returns, while the worker sends its RESULT.
+    threading.Thread(target=run, daemon=True).start()
+    time.sleep(seconds)
+    return "done"
+"""
+
+# spread(children, mib, hold_s): CLONE_PARENT children, each under the per-process memory limit,
+# together over the slot's; returns how many held their block.
+SPREAD = """
+import ctypes, os, time
+CLONE_PARENT, SIGCHLD, SYS_CLONE = 0x00008000, 17, 56  # x86_64
+
+def spread(children, mib, hold_s):
+    # Children of the worker's parent, each under the per-process limit, together over the slot's.
+    libc = ctypes.CDLL(None, use_errno=True)
+    r, w = os.pipe()
+    for _ in range(children):
+        if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
+            try:
+                block = b"\\x01" * (mib << 20)
+                os.write(w, b"1")
+                time.sleep(hold_s)
+            finally:
+                os._exit(0)
+    os.close(w)
+    deadline, held = time.monotonic() + hold_s, b""
+    while len(held) < children and time.monotonic() < deadline:
+        held += os.read(r, children)
+    time.sleep(hold_s)
+    return len(held)  # how many children held their block
+"""
