@@ -295,7 +295,9 @@ def test_ncu_fetches_the_report_and_its_csv(tool_broker: RunningBroker, fake_bin
 # (its own options, then `profile` and its options, then `--` and the workload), the same passes (the
 # workload runs twice, a tracker pass and the traced pass, with CUTE_DSL_COMPILER_OPT=iket and
 # IKET_INJECTION_CONFIG naming the pass's config), the same messages, files and exit statuses as its
-# source reads. What the native injection library would record, the workload here writes itself:
+# source reads (run on this CPU machine, the real run-iket gives the same transcript and status 1 for a
+# failing workload, and the assertion below for one without a CUDA context). What the native
+# injection library would record, the workload here writes itself:
 # FAKE_KERNEL appends its named ranges to `ranges.json` in the pass's folder. The decoded JSON's shape
 # is the one kcoral.tools.iket_trace reads (its field names are the decoder's; their nesting is not
 # confirmed on a GPU yet). A workload that records no range takes the path of run_iket.py for a tracker
@@ -346,13 +348,17 @@ def launch(job):
     sys.stdout.flush()
     if done.returncode != 0:
         say(f"Launch GPU workload exits abnormally with return code: {done.returncode} => Tool: {job}, Job: {job}")
-    ranges = json.loads((folder / "ranges.json").read_text()) if (folder / "ranges.json").exists() else []
+    ranges = json.loads((folder / "ranges.json").read_text()) if (folder / "ranges.json").exists() else None
     return done.returncode, ranges
 
 say("============= Dry run application first to collect some info... =============")
 code, ranges = launch("tracker")
 if code != 0:
     say(f"Tracker failed with return code: {code}")
+    sys.exit(1)
+if ranges is None:  # no CUDA context, so no tracker record: an assertion of run_iket.py, uncaught
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("AssertionError: recommended_max_ts_cnt_per_warp is not found in tracker", file=sys.stderr)
     sys.exit(1)
 (out / "gen-config").mkdir()
 (out / "gen-config" / "instrument.config.json").write_text('{"meta": {"version": 1}, "modules": []}')
@@ -397,7 +403,8 @@ sys.exit(code)
 """
 
 # The workload: prints, then records its named ranges where the stand-in reads them (what IKET's
-# injection library does on a GPU). Its argv: the ranges as NAME:START:END, or `hang`, or `exit:N`.
+# injection library does on a GPU). Its argv: the ranges as NAME:START:END (none: a kernel without
+# markers), or `hang`, `exit:N`, or `no-cuda` (a script that makes no CUDA context: no tracker record).
 FAKE_KERNEL = """
 import json, os, pathlib, sys, time
 print("kernel ran", flush=True)
@@ -406,6 +413,8 @@ if args == ["hang"]:
     time.sleep(600)
 if args and args[0].startswith("exit:"):
     sys.exit(int(args[0].split(":")[1]))
+if args == ["no-cuda"]:
+    sys.exit(0)
 config = json.loads(pathlib.Path(os.environ["IKET_INJECTION_CONFIG"]).read_text())
 ranges = [[n, int(s), int(e)] for n, s, e in (a.split(":") for a in args)]
 pathlib.Path(config["outputDir"], "ranges.json").write_text(json.dumps(ranges))
@@ -493,6 +502,16 @@ def test_iket_passes_a_failing_workloads_status_through_run_iket(
     done = kcoral(tmp_path, tool_broker.url, "iket", "--", "kernel.py", "exit:3")
     assert done.returncode == 1, done.stderr  # run-iket exits 1 when its tracker pass fails
     assert "[run-iket] Tracker failed with return code: 3" in done.stdout
+    assert "run-iket wrote no trace in iket-trace (exit status 1)" in done.stderr
+
+
+def test_iket_on_a_script_without_cuda_passes_run_iket_s_assertion_through(
+    tool_broker: RunningBroker, run_iket: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "kernel.py").write_text(FAKE_KERNEL)
+    done = kcoral(tmp_path, tool_broker.url, "iket", "--", "kernel.py", "no-cuda")
+    assert done.returncode == 1, done.stderr
+    assert "AssertionError: recommended_max_ts_cnt_per_warp is not found in tracker" in done.stderr
     assert "run-iket wrote no trace in iket-trace (exit status 1)" in done.stderr
 
 
