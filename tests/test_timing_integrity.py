@@ -27,6 +27,7 @@ from kcoral.timing.inputs import (
     check_outputs,
     plan_inputs,
 )
+from kcoral.timing.neighbours import KnownPids
 from kcoral.timing.timers import cupti_reasons, own_records_missing
 from kcoral.timing.windows import CallWindow, attribute, role_of
 
@@ -529,6 +530,59 @@ def test_another_process_busy_on_the_gpu(
     watch = EnvironmentWatch.start(FakeNvml(pids, busy), threading.enumerate, armed_state.threads_at_arm, 0)  # type: ignore[arg-type]
     reasons = watch.finish()
     assert any("another process used the GPU" in reason for reason in reasons) is suspect
+
+
+OWN, SPARE, GONE, STRANGER = 5000, 5001, 5002, 4242
+
+
+@pytest.mark.parametrize(
+    ("known", "pids", "busy", "counted"),
+    [
+        # The slot's spare making or holding its context beside the program: not contention.
+        (KnownPids(OWN, idle=frozenset({SPARE})), {OWN, SPARE}, {OWN: 40, SPARE: 12}, []),
+        # A previous holder, exited (NVML lists no context of it), still in NVML's samples.
+        (KnownPids(OWN, exited=frozenset({GONE})), {OWN, SPARE}, {OWN: 40, GONE: 38}, []),
+        # That pid with a context again (reused by a live process): counted.
+        (KnownPids(OWN, exited=frozenset({GONE})), {OWN, GONE}, {OWN: 40, GONE: 38}, [GONE]),
+        # A process the service knows nothing of, busy beside an idle spare: counted, alone.
+        (KnownPids(OWN, idle=frozenset({SPARE})), {OWN, SPARE, STRANGER}, {OWN: 4, SPARE: 3, STRANGER: 60}, [STRANGER]),
+        # Our own pid named by the broker: one busy process that is not us is counted (it was not
+        # before: with our pid unknown, one busy process was taken for us).
+        (KnownPids(OWN), {STRANGER}, {STRANGER: 50}, [STRANGER]),
+        (KnownPids(OWN), {OWN}, {OWN: 70}, []),
+        # Without the broker's word (outside a worker): as before, two busy mean one was not us.
+        (None, {OWN, GONE}, {OWN: 40, GONE: 38}, [OWN, GONE]),
+    ],
+)
+def test_the_services_own_idle_processes_are_not_counted_and_a_stranger_is(
+    armed_state: trust.ArmedState,
+    known: KnownPids | None,
+    pids: set[int],
+    busy: dict[int, int],
+    counted: list[int],
+) -> None:
+    watch = EnvironmentWatch.start(FakeNvml(pids, busy), threading.enumerate, armed_state.threads_at_arm, 0, known)  # type: ignore[arg-type]
+    reasons = [reason for reason in watch.finish() if "another process used the GPU" in reason]
+    named = sorted(int(part.split()[0]) for part in reasons[0].split("pid ")[1:]) if reasons else []
+    assert named == counted, reasons
+    excused = watch.details["gpu_processes"]["excused"]
+    assert set(excused) == {str(pid) for pid in busy if pid not in counted and pid != (known.own if known else OWN)}
+
+
+def test_the_grant_s_pids_are_validated_and_kept_for_the_program(armed_state: trust.ArmedState) -> None:
+    body = {"own": OWN, "idle": [SPARE], "exited": [GONE]}
+    assert KnownPids.from_wire(body) == KnownPids(OWN, frozenset({SPARE}), frozenset({GONE}))
+    assert KnownPids.from_wire(body).to_wire() == body  # type: ignore[union-attr]
+    for bad in ({"own": "5000"}, {"idle": [True]}, {"exited": [0]}, {"exited": list(range(1, 1000))}, [OWN], None):
+        assert KnownPids.from_wire(bad) is None, bad
+    before = armed_state.known_pids
+    try:
+        trust.note_grant(body)
+        assert trust.armed().known_pids == KnownPids.from_wire(body)
+        trust.note_grant({"own": -1})  # malformed: nothing is taken
+        assert trust.armed().known_pids is None
+    finally:
+        armed_state.known_pids = before
 
 
 def test_a_busy_process_that_is_not_ours_is_a_reason_when_we_know_our_pid(armed_state: trust.ArmedState) -> None:

@@ -224,7 +224,9 @@ def _measure(setup: _Setup, ready: Calibration, nvml: Nvml | None, repeat: int) 
     if defences:
         with spent.step("environment"):
             now_us = int(time.time() * 1e6)
-            watch = EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, now_us)
+            watch = EnvironmentWatch.start(
+                nvml, trusted.enumerate_threads, state.threads_at_arm, now_us, state.known_pids
+            )
     kept = reservoir if defences else None
     counted = CountedCalls(runner, repeat, ready.hold_cycles, ready.hold_ns, ready.unheld, kept)
     if defences:

@@ -158,7 +158,9 @@ def _run(
     floor_mhz = settings.clock_floor * max_clock if max_clock else None
 
     with spent.step("environment"):
-        watch = EnvironmentWatch.start(nvml, trusted.enumerate_threads, state.threads_at_arm, int(time.time() * 1e6))
+        watch = EnvironmentWatch.start(
+            nvml, trusted.enumerate_threads, state.threads_at_arm, int(time.time() * 1e6), state.known_pids
+        )
     done = run_rounds(trusted, sides, nvml, floor_mhz, settings, seed)
     ratios = done.ratios
     reasons: list[str] = []

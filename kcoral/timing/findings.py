@@ -8,7 +8,9 @@ instruction (tampering with the timer does: see ``kcoral.timing.trust``). What m
 - GPU work of this process that ran between the timed calls, launched by none of them and not the
   timer's own (a helper thread that launches after the call returned, a finaliser, a signal);
 - another process busy on the GPU during the measurement (NVML's per-process utilisation): work
-  done in another CUDA context is invisible to this process's CUPTI;
+  done in another CUDA context is invisible to this process's CUPTI. The service's own processes
+  that run nothing (the slot's spare, the GPU's exited lease holders, named by the broker with the
+  lease: ``timing.neighbours``) are not counted;
 - synchronised host wall time per call far above the GPU time: the call waited for something that
   the GPU timeline of this process does not show (another process, the host, hidden work). An
   honest call's host time is its GPU time plus a few microseconds of synchronisation: the bound is
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from kcoral.timing.neighbours import KnownPids
 from kcoral.timing.nvml import Nvml
 
 HOST_GAP_FACTOR: Final = 2.0
@@ -119,6 +122,7 @@ class EnvironmentWatch:
     caller: threading.Thread
     since_us: int
     pids_before: set[int] | None
+    known: KnownPids | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -128,9 +132,11 @@ class EnvironmentWatch:
         enumerate_threads: Callable[[], list[threading.Thread]],
         threads_at_arm: frozenset[threading.Thread],
         now_us: int,
+        known: KnownPids | None = None,
     ) -> EnvironmentWatch:
+        """``known``: the broker's word on the GPU's other processes (None outside a worker)."""
         pids = nvml.running_pids() if nvml is not None else None
-        return cls(nvml, enumerate_threads, threads_at_arm, threading.current_thread(), now_us, pids)
+        return cls(nvml, enumerate_threads, threads_at_arm, threading.current_thread(), now_us, pids, known)
 
     def finish(self) -> list[str]:
         reasons: list[str] = []
@@ -159,19 +165,26 @@ class EnvironmentWatch:
             self.details["gpu_processes"] = None
             return []
         pids_after = self.nvml.running_pids()
-        busy = self.nvml.busy_pids(self.since_us)
+        busy = self.nvml.busy_pids(self.since_us) or {}
+        running = None if pids_after is None or self.pids_before is None else pids_after | self.pids_before
+        excused = self.known.excused(busy, running) if self.known is not None else {}
+        own = self.known.own if self.known is not None and self.known.own is not None else os.getpid()
         self.details["gpu_processes"] = {
             "before": sorted(self.pids_before) if self.pids_before is not None else None,
             "after": sorted(pids_after) if pids_after is not None else None,
-            "busy": {str(pid): util for pid, util in sorted((busy or {}).items())},
+            "busy": {str(pid): util for pid, util in sorted(busy.items())},
+            "excused": {str(pid): why for pid, why in sorted(excused.items())},
+            "own": own,
         }
-        if not busy:
+        counted = [pid for pid in busy if pid not in excused]
+        if not counted:
             return []
-        own = os.getpid()
-        # In a PID namespace (the bubblewrap sandbox) NVML's PIDs are the host's and ours is not
-        # among them: then two busy processes mean one was not us.
-        known = pids_after is not None and own in pids_after
-        others = [pid for pid in busy if pid != own] if known else (list(busy) if len(busy) > 1 else [])
+        # In a PID namespace (the bubblewrap sandbox) NVML's PIDs are the host's. The broker names
+        # ours with the lease; where it did not, and ours is not among NVML's, two busy processes
+        # mean one was not us.
+        named = self.known is not None and self.known.own is not None
+        known = named or (pids_after is not None and own in pids_after)
+        others = [pid for pid in counted if pid != own] if known else (counted if len(counted) > 1 else [])
         if not others:
             return []
         listed = ", ".join(f"pid {pid} ({busy[pid]}% SM)" for pid in sorted(others)[:NAMES_SHOWN])

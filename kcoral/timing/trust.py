@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kcoral.timing.cupti import CuptiTracer, CuptiUnavailable
+from kcoral.timing.neighbours import KnownPids
 
 # The modules whose names and code the snapshot covers (imported by arm, so all of them exist):
 # every module of the kcoral.timing package, found in the package itself (timing_modules), so that
@@ -270,6 +271,8 @@ class ArmedState:
     in_worker: bool
     # cupti-python's module as imported at arm, where the tracer is made later (in a worker).
     cupti_module: Any = None
+    # What the broker's GRANT said of the GPU's other processes (kcoral.timing.neighbours).
+    known_pids: KnownPids | None = None
 
     @property
     def cupti_ok(self) -> bool:
@@ -401,6 +404,15 @@ def arm_in_worker() -> None:
         return
     state.threads_at_arm = frozenset(threading.enumerate())
     state.armed_at = time.time()
+    state.known_pids = None
+
+
+def note_grant(gpu_pids: Any) -> None:
+    """Keep the GRANT's ``gpu_pids`` (kcoral.timing.neighbours) for this program's measurements:
+    called by the worker's lease channel when the broker grants the lease, never by a program."""
+    state = _ARMED
+    if state is not None:
+        state.known_pids = KnownPids.from_wire(gpu_pids)
 
 
 def armed() -> ArmedState:

@@ -1,0 +1,88 @@
+"""What the service tells a GPU lease holder of the GPU's other processes: those known to run nothing.
+
+NVML lists every process with a CUDA context on a GPU and samples each one's SM utilisation; the
+findings (``timing.findings``) count another busy process as contention. Beside a program's worker
+the service keeps processes of its own on the GPU that run no one's work:
+
+- ``idle``: the slot's spare, forked ahead with its CUDA context made (``kcoral.worker.zygote``). It
+  runs no program until the zygote announces it, which happens only after the slot's current worker
+  (the lease holder) has exited;
+- ``exited``: the GPU's previous lease holders, gone before this lease was granted (or, with
+  ``--gpu-handover quiet``, unable to run code any more). NVML's per-process samples go on naming
+  such a process after its end (measured on the H200: 9 to 38% SM for pids of earlier programs, some
+  ended before the grant), since a sample covers a period that began while it still ran.
+
+The broker sends their host pids (NVML's pid namespace, not the sandbox's) with GRANT, and the
+holder's own (``own``), so that the findings need not guess which busy pid is theirs. They come from
+the broker's process table and the zygotes' reports alone, never from a program; the worker's
+lease channel records them at the grant, after any of the program's import-time code has run. An
+exited pid is left out only while NVML lists no context of it (a pid reused by a live process holding
+the GPU is counted again). Like the rest of the in-process timer, a program that rewrites the worker's
+state could forge them; the trusted path (``kcoral remote``) does not rely on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+# The most pids of each kind a GRANT may carry (more is a broken or hostile message: none is taken).
+MOST_PIDS: Final = 256
+PID_MOST: Final = 1 << 22  # Linux's pid_max at most
+
+
+def _pid(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= PID_MOST:
+        raise ValueError(f"not a pid: {value!r}")
+    return value
+
+
+def _pids(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or len(value) > MOST_PIDS:
+        raise ValueError(f"not a list of at most {MOST_PIDS} pids: {value!r}")
+    return frozenset(map(_pid, value))
+
+
+@dataclass(frozen=True)
+class KnownPids:
+    """Host pids on the lease's GPUs: the holder's own, the service's idle spares, exited holders."""
+
+    own: int | None = None
+    idle: frozenset[int] = frozenset()
+    exited: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_wire(cls, body: Any) -> KnownPids | None:
+        """The GRANT's ``gpu_pids`` map; None where it has none or it is malformed."""
+        if not isinstance(body, Mapping):
+            return None
+        try:
+            own = body.get("own")
+            return cls(
+                own=None if own is None else _pid(own),
+                idle=_pids(body.get("idle")),
+                exited=_pids(body.get("exited")),
+            )
+        except ValueError:
+            return None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"own": self.own, "idle": sorted(self.idle), "exited": sorted(self.exited)}
+
+    def excused(self, busy: Mapping[int, int], running: set[int] | None) -> dict[int, str]:
+        """Which of the ``busy`` pids (pid -> SM %) ran none of anyone's work, and why (``idle
+        spare``, ``exited holder``). ``running``: the pids NVML lists with a context now (None where
+        it cannot tell: then no exited pid is excused, since none can be shown gone)."""
+        why: dict[int, str] = {}
+        for pid in busy:
+            if pid in self.idle:
+                why[pid] = "idle spare"
+            elif pid in self.exited and running is not None and pid not in running:
+                why[pid] = "exited holder"
+        return why
+
+
+__all__ = ["MOST_PIDS", "KnownPids"]
