@@ -9,6 +9,9 @@ with no zygotes running, a real ROUTER socket and a DEALER as the worker, on loo
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 
 from kcoral import protocol
+from kcoral.broker.gpu_pids import GpuPids
 from kcoral.broker.leases import LeaseTable
 from kcoral.broker.requests import Request, RequestState, Worker
 from kcoral.broker.settings import BrokerSettings
@@ -134,7 +138,8 @@ def test_a_lease_is_held_until_the_worker_exits_and_its_result_becomes_the_final
         async with worker_side() as t:
             request = t.running(await t.join())
             await t.deliver(protocol.LEASE, {"request_id": "r1"})
-            assert await t.link.answer() == (protocol.GRANT, {"request_id": "r1"})
+            no_pids = {"own": None, "idle": [], "exited": []}  # no zygote runs: none is known
+            assert await t.link.answer() == (protocol.GRANT, {"request_id": "r1", "gpu_pids": no_pids})
             assert t.side.holds_lease(request.worker, "r1") and holder(t.leases) == "r1"
             await t.deliver(protocol.RELEASE, {"request_id": "r1"})  # ignored: the exit gives it back
             await t.deliver(protocol.RESULT, protocol.program_result("r1", results={"sum": 5}))
@@ -166,3 +171,51 @@ def test_a_worker_that_dies_while_running_fails_its_program() -> None:
             assert not t.side.pool.workers
 
     run(main)
+
+
+def test_a_grant_names_the_holders_pid_its_spare_and_then_the_holder_gone() -> None:
+    """GRANT's gpu_pids: the holder's and its slot's spare's host pids, found among the zygote's
+    children by the pids the zygote reported (here the test process stands for the zygote, two
+    real processes for the worker and the spare); after the holder's exit, its pid is named to
+    the GPU's next holders."""
+
+    async def main() -> None:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        worker, spare = subprocess.Popen(sleeper), subprocess.Popen(sleeper)
+        try:
+            async with worker_side() as t:
+                state = t.side.supervisor.states[0]
+                state.zygote_host_pid = os.getpid()
+                t.side.supervisor._handle_event(state, {"event": "forked", "worker": "w0-1", "pid": worker.pid})
+                t.side.supervisor._handle_event(state, {"event": "spare", "worker": "w0-2", "pid": spare.pid})
+                t.running(await t.join())
+                await t.deliver(protocol.LEASE, {"request_id": "r1"})
+                command, body = await t.link.answer()
+                assert command == protocol.GRANT
+                assert body["gpu_pids"] == {"own": worker.pid, "idle": [spare.pid], "exited": []}
+                await t.deliver(protocol.RESULT, protocol.program_result("r1", results={}))
+                assert t.side.gpu_pids.exited([0], time.monotonic()) == []  # it may still run work
+                t.side.on_exit(WorkerExit(0, WORKER, 0, None))
+                assert t.side.gpu_pids.exited([0], time.monotonic()) == [worker.pid]
+                assert t.side.gpu_pids.exited([1], time.monotonic()) == []  # another GPU's holders: none
+                # The spare is announced (it becomes the slot's worker): no longer idle.
+                t.side.supervisor._handle_event(state, {"event": "forked", "worker": "w0-2", "pid": spare.pid})
+                assert t.side.supervisor.host_pids(0) == (spare.pid, None)
+        finally:
+            for process in (worker, spare):
+                process.kill()
+                process.wait()
+
+    run(main)
+
+
+def test_an_exited_holder_is_named_for_a_while_and_never_as_the_holder_itself() -> None:
+    pids = GpuPids(keep_seconds=10.0, most=2)
+    pids.lease_gone([0], 100, now=0.0)
+    pids.lease_gone([0, 1], 101, now=5.0)
+    pids.lease_gone([0], None, now=5.0)  # a holder whose pid was not found: nothing
+    assert pids.grant([0], own=101, spare=None, now=6.0) == {"own": 101, "idle": [], "exited": [100]}
+    assert pids.exited([0], now=12.0) == [101]  # 100 went back 12 s ago
+    pids.lease_gone([0], 102, now=12.0)
+    pids.lease_gone([0], 103, now=12.0)
+    assert pids.exited([0], now=12.0) == [102, 103] and pids.exited([1], now=12.0) == [101]

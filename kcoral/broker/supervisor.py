@@ -88,6 +88,9 @@ class SlotState:
     stopped_checks: int = 0  # liveness checks in a row that found the zygote stopped
     worker: WorkerId | None = None
     worker_pid: int | None = None
+    spare: WorkerId | None = None  # the spare forked ahead (event ``spare``), until announced or discarded
+    spare_pid: int | None = None
+    spare_waiters: list[asyncio.Event] = field(default_factory=list)  # spare_named's, set at ``spare``
     restarts: int = 0
     state: SlotPhase = SlotPhase.STARTING
     last_error: str = ""
@@ -141,6 +144,36 @@ class Supervisor:
         worker has exited. ``gpu_used``: whether that program took the GPU lease; the slot makes
         the CUDA contexts of its next spares ahead only while its programs do."""
         self._command(slot, ZygoteCommand.RETIRE_WORKER, worker, **({"gpu": gpu_used} if gpu_used is not None else {}))
+
+    def host_pids(self, slot: int) -> tuple[int | None, int | None]:
+        """The host's pids (NVML's) of the slot's current worker and of its spare, where the zygote
+        named them (None where not, or not found): each is a child of the zygote, found by the pid
+        the zygote gave, read in the zygote's own pid namespace."""
+        state = self.states.get(slot)
+        zygote = state.zygote_host_pid if state is not None else None
+        if state is None or zygote is None:
+            return None, None
+
+        def host(inside: int | None) -> int | None:
+            return processes.child_by_namespace_pid(zygote, inside) if inside is not None else None
+
+        return host(state.worker_pid), host(state.spare_pid)
+
+    async def spare_named(self, slot: int, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, for the zygote to name the slot's spare where it forks
+        one now: it does so right after announcing a worker, so a program that asks for its lease at
+        once may come before the spare's ``spare`` event (and the spare then makes its CUDA context
+        while the program runs)."""
+        state = self.states.get(slot)
+        if state is None or state.spare is not None or state.worker is None or state.state != SlotPhase.RUNNING:
+            return
+        waiter = asyncio.Event()
+        state.spare_waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter.wait(), timeout)
+        finally:
+            state.spare_waiters.remove(waiter)
 
     async def _check_liveness(self) -> None:
         """Kill a zygote that stopped speaking, or that did not kill its worker when told to."""
@@ -250,6 +283,7 @@ class Supervisor:
         state.kill_asked = None
         state.killed_for = ""
         state.zygote_host_pid = None
+        state.spare, state.spare_pid = None, None
         state.stopped_checks = 0
         log.info("zygote_started", slot=spec.slot, gpu=spec.gpu, pid=process.pid)
         assert process.stdout is not None
@@ -294,14 +328,22 @@ class Supervisor:
                 state.zygote_host_pid = processes.find_in_sandbox(state.process.pid, inside)
         elif kind is ZygoteEvent.FORKED:
             state.worker = event_worker(event)
-            state.worker_pid = event.get("pid")
+            state.worker_pid = event_int(event.get("pid"))
+            if state.spare == state.worker:
+                state.spare, state.spare_pid = None, None
             self.on_fork(state.spec.slot, state.worker)
+        elif kind is ZygoteEvent.SPARE:
+            state.spare, state.spare_pid = event_worker(event), event_int(event.get("pid"))
+            for waiter in state.spare_waiters:
+                waiter.set()
         elif kind is ZygoteEvent.GPU_FREE and state.worker is not None and state.worker == event_worker(event):
             if event.get("teardown"):
                 name = worker_name(state.worker)
                 log.debug("gpu_quiet", slot=state.spec.slot, worker=name, after_ms=event.get("after_ms"))
             self.on_gpu_free(state.worker)
         elif kind is ZygoteEvent.SPARE_DISCARDED:
+            if state.spare == event_worker(event):
+                state.spare, state.spare_pid = None, None
             log.warning("spare_worker_discarded", slot=state.spec.slot, worker=str(event.get("worker")))
         elif kind is ZygoteEvent.EXITED:
             worker = event_worker(event)

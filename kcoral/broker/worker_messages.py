@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.broker import slots
+from kcoral.broker.gpu_pids import GpuPids
 from kcoral.broker.leases import LeaseReclaimed, LeaseTable
 from kcoral.broker.provenance import Provenance
 from kcoral.broker.requests import Request, RequestState, Worker
@@ -43,6 +44,8 @@ log = structlog.get_logger("kcoral.broker")
 PROGRESS_PER_SECOND = 50.0
 PROGRESS_BURST = 100.0
 COMMAND_BYTES_MOST = 32  # a command frame is a short name: more is never read
+# The longest a GRANT waits for the slot's spare to be named (its fork: milliseconds).
+SPARE_WAIT_SECONDS = 0.25
 
 
 class WorkerPort(Protocol):
@@ -80,6 +83,9 @@ class WorkerMessages:
     supervisor: Supervisor
     port: WorkerPort
     held_leases: dict[WorkerId, str] = field(default_factory=dict)  # worker -> the request whose lease it holds
+    # worker -> its host pid and the GPUs of the lease it holds (for gpu_pids when the lease goes back)
+    holder_pids: dict[WorkerId, tuple[int | None, tuple[int, ...]]] = field(default_factory=dict)
+    gpu_pids: GpuPids = field(default_factory=GpuPids)
     progress_limit: RateLimit[WorkerId] = field(default_factory=lambda: RateLimit(PROGRESS_PER_SECOND, PROGRESS_BURST))
     ready_announced: bool = False
     provenance: Provenance | None = None  # None: results carry an empty provenance map
@@ -171,11 +177,18 @@ class WorkerMessages:
             now = time.monotonic()
             request.lease_times = (now, now)
             with contextlib.suppress(zmq.ZMQError):
-                send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+                send_now(self.backend, [worker.identity, *self._grant(request, worker)])
             return
         try:
             grant = await self.leases.acquire(request.id, request.gpu_ids)
         except (LeaseReclaimed, asyncio.CancelledError):
+            return
+        try:
+            # The holder is told its slot's spare (kcoral.broker.gpu_pids): one forked just now is
+            # named a few milliseconds after its worker was announced.
+            await self.supervisor.spare_named(worker.slot, SPARE_WAIT_SECONDS)
+        except asyncio.CancelledError:
+            self.leases.release(request.id)
             return
         if self.requests.get(request.id) is not request or request.state != RequestState.RUNNING or worker.exited:
             self.leases.release(request.id)
@@ -185,9 +198,21 @@ class WorkerMessages:
         self.held_leases[worker.identity] = request.id
         request.lease_times = (grant.requested_at, grant.granted_at)
         try:
-            send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, {"request_id": request.id})])
+            send_now(self.backend, [worker.identity, *self._grant(request, worker)])
         except zmq.ZMQError:
             self.leases.release(request.id)
+
+    def _grant(self, request: Request, worker: Worker) -> list[Any]:
+        """GRANT: the request, and the GPU's processes known to run nothing (kcoral.broker.gpu_pids)."""
+        own, spare = self.supervisor.host_pids(worker.slot)
+        self.holder_pids[worker.identity] = (own, tuple(request.gpu_ids))
+        gpu_pids = self.gpu_pids.grant(request.gpu_ids, own, spare, time.monotonic())
+        return protocol.message(protocol.GRANT, {"request_id": request.id, "gpu_pids": gpu_pids})
+
+    def _lease_gone(self, worker: WorkerId) -> None:
+        """The worker's lease went back because it can run no more work: name it to the next holders."""
+        own, gpus = self.holder_pids.pop(worker, (None, ()))
+        self.gpu_pids.lease_gone(gpus, own, time.monotonic())
 
     def _on_result(self, request: Request, worker: Worker, body: dict[str, Any], data: list[Any]) -> None:
         worker.request_id = None
@@ -200,6 +225,7 @@ class WorkerMessages:
             pass  # kept for its client's next program: not idle for others, its lease held
         elif info.get("reusable") and reusable and worker.identity in self.pool.workers:
             holder = self.held_leases.pop(worker.identity, None)
+            self.holder_pids.pop(worker.identity, None)  # alive, and idle for the next program
             if holder is not None:  # a worker reused is trusted between programs (slots.reusable)
                 self.leases.release(holder)
             view = info.get("gpu_view")
@@ -280,13 +306,16 @@ class WorkerMessages:
         anything it started): it can run no more work on the GPU, whose lease goes back now."""
         holder = self.held_leases.pop(worker, None)
         if holder is not None:
+            self._lease_gone(worker)
             self.leases.reclaim(holder)
 
     def on_exit(self, exit: WorkerExit) -> None:
         holder = self.held_leases.pop(exit.worker, None)
         if holder is not None:
             # The worker and all it started are gone (the zygote says so only then): the GPU is free.
+            self._lease_gone(exit.worker)
             self.leases.reclaim(holder)
+        self.holder_pids.pop(exit.worker, None)
         session = self.sessions.of_worker(exit.worker)
         if session is not None:
             self.sessions.end(session)

@@ -56,6 +56,9 @@ class ZygoteEvent(StrEnum):
     # --gpu-handover quiet) none of them can run code any more, while its context is torn down.
     GPU_FREE = "gpu_free"
     SPARE_DISCARDED = "spare_discarded"  # worker: a spare changed while it waited; killed unannounced
+    # worker, pid: a spare was forked ahead (unannounced: given nothing until ``forked`` names it);
+    # it runs no program, so its CUDA context on the slot's GPU does no work that counts.
+    SPARE = "spare"
     EXITED = "exited"  # the fields of WorkerExit: the worker and everything it started are dead
     ALIVE = "alive"  # once a second: the zygote still watches its slot
 

@@ -27,6 +27,7 @@ import zmq
 from kcoral import protocol
 from kcoral.errors import ExecutionError
 from kcoral.gpu_guard import GpuAccessGuard
+from kcoral.timing.trust import note_grant
 
 # What one RESULT may hold (protocol.MAX_FRAMES and MAX_BODY_BYTES bound every message): the data
 # frames after its three header frames, and the returned values' share of its body, leaving the
@@ -109,6 +110,9 @@ class LeaseChannel:
                 command, body, _ = protocol.split_message(self.socket.recv_multipart())
                 if command == protocol.GRANT and body.get("request_id") == self.request_id:
                     break
+        # The broker's word on the GPU's other processes, for the findings of benchmark() and
+        # compare() (kcoral.timing.neighbours): taken here, after the program's import-time code.
+        note_grant(body.get("gpu_pids"))
         self.granted_at = time.monotonic()
         self.times.wait_ms += (self.granted_at - start) * 1000
 

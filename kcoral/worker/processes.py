@@ -201,15 +201,43 @@ def past_user_code(pid: int) -> bool:
     return True
 
 
-def namespace_pid(pid: int) -> int | None:
-    """The pid that process ``pid`` has in its own pid namespace (inside a sandbox), or None."""
+def namespace_pids(pid: int) -> list[int] | None:
+    """The pids that process ``pid`` has in each pid namespace it is in, ours first (``NSpid``)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as handle:
             for line in handle:
                 if line.startswith(b"NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError, IndexError):
+                    return [int(field) for field in line.split()[1:]] or None
+    except (OSError, ValueError):
         pass
+    return None
+
+
+def namespace_pid(pid: int) -> int | None:
+    """The pid that process ``pid`` has in its own pid namespace (inside a sandbox), or None."""
+    pids = namespace_pids(pid)
+    return pids[-1] if pids else None
+
+
+def child_by_namespace_pid(parent: int, inside: int) -> int | None:
+    """Our pid of the child of ``parent`` that is ``inside`` in ``parent``'s own pid namespace (a
+    zygote's worker or spare, as the zygote names it). Pids are unique within one namespace, and
+    the pid is read at the parent's level, so a child that made a namespace below it (where its own
+    pid could be anything) is not taken for another."""
+    level = namespace_pids(parent)
+    if level is None:
+        return None
+    if _HAS_CHILDREN_LISTS:
+        kids = children(parent)
+    else:
+        try:
+            kids = [child.pid for child in psutil.Process(parent).children()]
+        except psutil.Error:
+            return None
+    for child in kids:
+        pids = namespace_pids(child)
+        if pids is not None and len(pids) >= len(level) and pids[len(level) - 1] == inside:
+            return child
     return None
 
 
@@ -355,6 +383,7 @@ __all__ = [
     "BOARD",
     "ProcessInfo",
     "ProgressBoard",
+    "child_by_namespace_pid",
     "children",
     "descendants",
     "find_in_sandbox",
@@ -362,6 +391,7 @@ __all__ = [
     "kill_descendants",
     "kill_processes",
     "namespace_pid",
+    "namespace_pids",
     "note_progress",
     "orphans_from_workers",
     "process_table",

@@ -11,8 +11,8 @@ worker and all it started, ``fork_spare``, ``retire_worker``, ``stop``; ``kill_w
 ``kill_worker`` with ``"next": "lazy"`` makes the worker after it one without a CUDA context, for a
 program on other GPUs than the slot's; ``retire_worker`` says with ``gpu`` whether the program
 took its GPU lease),
-events on stdout (``ready``, ``forked``, ``gpu_free``, ``exited``, and ``alive`` once a second, by
-which the supervisor knows that the zygote still watches). An ``exited`` event carries the
+events on stdout (``ready``, ``forked``, ``spare``, ``gpu_free``, ``exited``, and ``alive`` once a
+second, by which the supervisor knows that the zygote still watches). An ``exited`` event carries the
 worker's ``returncode`` or ``signal``, ``leftovers_killed``, ``reason`` (why the zygote killed it: a
 broken limit, say) and ``instruction_index`` (read from a page shared with the worker: one that
 dies at once takes its unsent progress messages with it).
@@ -236,7 +236,13 @@ class Zygote:
         fork (and, on a GPU slot, no CUDA context) is under way when the current one exits (see the
         class's docstring)."""
         if self.spare is None and self.current is not None and not self.stopping:
-            self.spare = self.fork_worker()
+            self.fork_spare()
+
+    def fork_spare(self) -> None:
+        """Fork the spare, and tell the broker its pid: its CUDA context on the slot's GPU is none
+        of a program's (the broker tells the GPU's next lease holder so, see GRANT)."""
+        self.spare = self.fork_worker()
+        emit(ZygoteEvent.SPARE, worker=self.spare.identity, pid=self.spare.pid)
 
     def fit_to_serve(self, spare: Child) -> bool:
         """Whether the spare is as forked: the program that ran beside it (the same user) could
@@ -445,7 +451,7 @@ class Zygote:
                 self.discard(spare)
                 self.spare = None
             if self.spare is None:
-                self.spare = self.fork_worker()
+                self.fork_spare()
         elif what is ZygoteCommand.STOP:
             self.stop("")
 

@@ -1,0 +1,66 @@
+"""GRANT's ``gpu_pids`` through a real broker (fake GPUs, both sandboxes, real processes on loopback):
+a program holding the lease is told its own host pid, its slot's spare and the GPU's previous
+holders that have exited, and the in-process timer keeps them for its findings
+(``kcoral.timing.neighbours``). The pids come from the broker's process table, through the pids
+the zygote reported: the chain below (the first program's spare is the second program's worker,
+the first program's worker the second's exited holder) holds only where each was found right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kcoral import Client, Program
+from tests.helpers import BrokerFactory
+
+pytestmark = pytest.mark.timeout(120)
+
+SOURCE = """
+import os
+
+def pids():
+    from kcoral.timing import trust
+
+    known = trust.armed().known_pids
+    return {"known": known.to_wire() if known is not None else None, "pid": os.getpid()}
+"""
+
+
+def pids_program() -> Program:
+    program = Program()
+    module = program.upload(kind="module", source=SOURCE)
+    # Not cpu_only: the run takes the GPU lease first, and with it the GRANT.
+    program.return_(key="pids", value=program.run(fn=program.get_function(module=module, name="pids")))
+    return program
+
+
+def run_pids(client: Client) -> dict[str, Any]:
+    result = client.execute(pids_program(), timeout_seconds=60)
+    assert result.status == "COMPLETED", result.error
+    assert result.gpu_ids == [0]
+    pids = result.results["pids"]
+    assert isinstance(pids, dict) and pids["known"] is not None, pids
+    return pids
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_each_grant_names_the_holder_its_spare_and_the_one_before(broker_factory: BrokerFactory, sandbox: str) -> None:
+    broker = broker_factory("--fake-gpus", "1", "--workers-per-gpu", "1", "--sandbox", sandbox)
+    with Client(broker.url) as client:
+        first, second, third = (run_pids(client) for _ in range(3))
+    for one in (first, second, third):
+        known = one["known"]
+        assert isinstance(known["own"], int) and known["own"] > 0, one
+        assert known["own"] not in known["idle"] and known["own"] not in known["exited"], one
+        if sandbox == "none":  # no pid namespace: the host's pid is the program's own
+            assert known["own"] == one["pid"], one
+    assert first["known"]["exited"] == []
+    # Each worker, once it exited, is named to the GPU's next holder; the spare forked ahead
+    # beside a program is the next program's worker.
+    assert second["known"]["exited"] == [first["known"]["own"]]
+    assert sorted(third["known"]["exited"]) == sorted([first["known"]["own"], second["known"]["own"]])
+    for before, after in ((first, second), (second, third)):
+        if before["known"]["idle"]:
+            assert before["known"]["idle"] == [after["known"]["own"]], (before, after)
+    assert second["known"]["idle"], second  # by the second program the spare has long been forked
