@@ -119,6 +119,17 @@ def _name(
     return None
 
 
+def _named(
+    items: list[Any], names: tuple[str, ...], indices: tuple[str, ...], tables: tuple[Sequence[Any], ...]
+) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """The entries of a ranges or markers list that are maps with a name, each with its name."""
+    for item in items:
+        if isinstance(item, Mapping):
+            name = _name(item, names, indices, tables)
+            if name is not None:
+                yield name, item
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -138,24 +149,16 @@ def summarize(decoded: Any, path: Path = Path("trace.json")) -> TraceSummary:
             timer_source = str(value)
         elif key in RANGE_LISTS and isinstance(value, list):
             seen_lists = True
-            for item in value:
-                if not isinstance(item, Mapping):
-                    continue
-                name = _name(item, RANGE_NAMES, RANGE_NAME_INDICES, tables)
+            for name, item in _named(value, RANGE_NAMES, RANGE_NAME_INDICES, tables):
                 start, end = _number(item.get(START)), _number(item.get(END))
-                if name is None or start is None or end is None:
+                if start is None or end is None:
                     continue
                 stage = stages.setdefault(("range", name), StageSummary(name, "range"))
                 stage.count += 1
                 stage.durations.append(end - start)
         elif key in MARKER_LISTS and isinstance(value, list):
             seen_lists = True
-            for item in value:
-                if not isinstance(item, Mapping):
-                    continue
-                name = _name(item, MARKER_NAMES, MARKER_NAME_INDICES, tables)
-                if name is None:
-                    continue
+            for name, _ in _named(value, MARKER_NAMES, MARKER_NAME_INDICES, tables):
                 stages.setdefault(("marker", name), StageSummary(name, "marker")).count += 1
     if not seen_lists:
         keys = sorted(decoded) if isinstance(decoded, Mapping) else type(decoded).__name__
