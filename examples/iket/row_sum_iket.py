@@ -19,9 +19,11 @@ Modes::
 
 With ``--bench`` the script prints one line ``IKET_BENCH {json}``: the pass it ran in (``tracker``
 or ``iket`` under run-iket, which runs the script twice; ``none`` outside it), whether the kernel
-had markers and whether they were compiled in, and the benchmark's median. Timing uses CUDA events
-(``method="cuda_event"``) in every pass, so that numbers taken under run-iket's injection library
-compare with those taken without it.
+had markers and whether they were compiled in, and the benchmark's median. Every pass times the
+same way (BENCH_CONFIG: CUDA events, fixed counts), so that numbers taken under run-iket's
+injection library compare with those taken without it. Under run-iket, ``--bench`` records every
+one of its ~230 launches: give ``kcoral iket`` ``--postprocess none`` (no trace files of them) or
+``--iket-args "--enabled-cluster 0,0,0"`` (one block's events per launch).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -38,6 +42,12 @@ import cutlass.cute as cute
 from cutlass.cute.experimental import iket
 
 WARP = 32
+# Fixed counts and no clock warm-up in benchmark() (warm_gpu warms the clock with work of its own),
+# so that run-iket's tracker pass launches the kernel as often as its traced pass: the tracker sizes
+# the trace buffer from what it saw (plus 15%). CUDA events, since run-iket's injection library
+# may hold CUPTI.
+BENCH_CONFIG = {"method": "cuda_event", "warmup": 20, "repeat": 200, "clock_warmup_ms": 0}
+WARM_GPU_SECONDS = 1.0
 
 
 @cute.kernel
@@ -98,6 +108,16 @@ def compile_only(rows: int, cols: int, markers: bool) -> None:
     )
 
 
+def warm_gpu(torch: Any) -> None:
+    """About WARM_GPU_SECONDS of matrix products (no IKET markers in them) to bring the clock up."""
+    x = torch.randn(4096, 4096, device="cuda")
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_GPU_SECONDS:
+        for _ in range(10):
+            x = torch.nn.functional.normalize(x @ x)
+        torch.cuda.synchronize()
+
+
 def run(rows: int, cols: int, markers: bool, bench: bool) -> int:
     import torch
     from cutlass.cute.runtime import from_dlpack
@@ -127,7 +147,8 @@ def run(rows: int, cols: int, markers: bool, bench: bool) -> int:
     if bench:
         from kcoral.builtins import benchmark
 
-        report = benchmark(row_sums, data, config={"method": "cuda_event", "repeat": 200})
+        warm_gpu(torch)
+        report = benchmark(row_sums, data, config=BENCH_CONFIG)
         line = {
             "pass": iket_pass(),
             "markers": markers,
