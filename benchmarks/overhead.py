@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--requests 300] [--in-flight 8] [--json out.json] [--plot out.png]
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
     python benchmarks/overhead.py --phases [--session] [--requests 300] [--broker-flags "..."] [--json out.json]
-    python benchmarks/overhead.py --against DIR [--requests 300] [--rounds 5]
+    python benchmarks/overhead.py --against DIR [--session] [--requests 300] [--rounds 5]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
 constant program in a loop, (3) the same with a module upload and a function call, (4) programs per
@@ -24,7 +24,8 @@ in one client session (``Client(session=True)``), one worker for all of them.
 
 ``--against DIR`` compares two versions as ``--curve-cost`` does two brokers: one of this checkout and one of the
 checkout at DIR (a second worktree at an older commit, say), alternated round by round, each
-measured through the same client.
+measured through the same client; with ``--session`` every client (one at a time, and the one
+with N in flight) runs its programs in its session.
 """
 
 from __future__ import annotations
@@ -95,11 +96,16 @@ def zmq_round_trips(count: int) -> list[float]:
 
 
 def sequential(
-    url: str, count: int, program_factory: object, label: str, keys: ClientKeys | None = None
+    url: str,
+    count: int,
+    program_factory: object,
+    label: str,
+    keys: ClientKeys | None = None,
+    session: bool = False,
 ) -> list[float]:
     samples = []
     program = program_factory()  # type: ignore[operator]
-    with Client(url, keys=keys) as client:
+    with Client(url, keys=keys, session=session) as client:
         for _ in range(5):
             client.execute(program)
         for i in range(count):
@@ -111,11 +117,13 @@ def sequential(
     return samples
 
 
-async def in_flight(url: str, count: int, width: int, keys: ClientKeys | None = None) -> tuple[float, list[float]]:
+async def in_flight(
+    url: str, count: int, width: int, keys: ClientKeys | None = None, session: bool = False
+) -> tuple[float, list[float]]:
     program = constant_program()
     latencies: list[float] = []
     done = 0
-    async with AsyncClient(url, keys=keys) as client:
+    async with AsyncClient(url, keys=keys, session=session) as client:
         semaphore = asyncio.Semaphore(width)
 
         async def one() -> None:
@@ -200,7 +208,9 @@ def main() -> int:
         "--against", type=Path, default=None, metavar="DIR", help="compare with a broker run from the checkout at DIR"
     )
     parser.add_argument("--phases", action="store_true", help="where a constant program's milliseconds go")
-    parser.add_argument("--session", action="store_true", help="with --phases: the programs in one client session")
+    parser.add_argument(
+        "--session", action="store_true", help="with --phases or --against: the programs in one client session"
+    )
     args = parser.parse_args()
     if args.curve_cost:
         return curve_cost(args)
@@ -268,7 +278,14 @@ def curve_cost(args: argparse.Namespace) -> int:
             rows, rates = alternate(args, {"plain": (plain_url, None), "curve": (curve_url, keys)})
     print_table(
         f"CurveZMQ cost ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
-        ["broker", "n", "constant p50 ms", "p99 ms", f"programs/s, {args.in_flight} in flight (median)"],
+        [
+            "broker",
+            "n",
+            "constant p50 ms",
+            "p99 ms",
+            f"programs/s, {args.in_flight} in flight (median)",
+            "one at a time/s",
+        ],
         rows,
     )
     p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
@@ -285,7 +302,14 @@ def against(args: argparse.Namespace) -> int:
     print_table(
         f"This checkout against {args.against} ({machine()}, broker: {args.broker_flags}, "
         f"{args.rounds} alternating rounds)",
-        ["broker", "n", "constant p50 ms", "p99 ms", f"programs/s, {args.in_flight} in flight (median)"],
+        [
+            "broker",
+            "n",
+            "constant p50 ms",
+            "p99 ms",
+            f"programs/s, {args.in_flight} in flight (median)",
+            "one at a time/s",
+        ],
         rows,
     )
     p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
@@ -297,20 +321,25 @@ def against(args: argparse.Namespace) -> int:
 def alternate(
     args: argparse.Namespace, brokers: dict[str, tuple[str, ClientKeys | None]]
 ) -> tuple[list[list[Any]], dict[str, list[float]]]:
-    """``args.rounds`` rounds, each measuring every broker in turn: rows of (name, n, p50, p99,
-    median rate) and the rates of each round."""
+    """``args.rounds`` rounds, each measuring every broker in turn (in the opposite order every other
+    round): rows of (name, n, p50, p99, median rate in flight, rate one at a time) and the rates
+    of each round."""
     samples: dict[str, list[float]] = {name: [] for name in brokers}
     rates: dict[str, list[float]] = {name: [] for name in brokers}
     per_round = max(1, args.requests // args.rounds)
-    for _ in range(args.rounds):
-        for name, (url, key) in brokers.items():
-            samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key)
-            rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key))
+    for index in range(args.rounds):
+        order = list(brokers.items())
+        for name, (url, key) in order[::-1] if index % 2 else order:
+            samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
+            rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
             rates[name].append(rate)
     rows: list[list[Any]] = []
     for name in brokers:
         stats = percentiles(samples[name])
-        rows.append([name, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], float(np.median(rates[name]))])
+        one_at_a_time = 1000 * len(samples[name]) / sum(samples[name])
+        rows.append(
+            [name, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], float(np.median(rates[name])), one_at_a_time]
+        )
     return rows, rates
 
 

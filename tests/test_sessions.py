@@ -31,15 +31,19 @@ SOURCE = textwrap.dedent(
 
     def fail():
         raise RuntimeError("this program fails")
+
+    def close_every_descriptor():
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the worker's sockets and RESULT context among them
+        return "closed"
     """
 )
 
 
-def run(client: Client, name: str, *args: object, cpu_only: bool = False) -> ProgramResult:
+def run(client: Client, name: str, *args: object, cpu_only: bool = False, timeout: float = 60) -> ProgramResult:
     program = Program()
     fn = program.get_function(module=program.upload(kind="module", source=SOURCE), name=name, cpu_only=cpu_only)
     program.return_(key="out", value=program.run(fn=fn, args=list(args)))
-    return client.execute(program, timeout_seconds=60)
+    return client.execute(program, timeout_seconds=timeout)
 
 
 def identity(result: ProgramResult) -> str:
@@ -115,3 +119,18 @@ def test_an_idle_session_ends_and_its_client_closing_ends_it(broker_factory: Bro
         while watcher.health()["sessions"] and time.monotonic() < deadline:
             time.sleep(0.5)
         assert watcher.health()["sessions"] == []  # the closed client's session is gone
+
+
+def test_a_program_that_closes_its_workers_descriptors_ends_its_session_alone(broker_factory: BrokerFactory) -> None:
+    # Its second program: the worker's RESULT context, kept from the first, is open while it runs.
+    broker = broker_factory(*FLAGS)
+    with Client(broker.url, session=True) as client:
+        before = run(client, "step", "a")
+        closer = run(client, "close_every_descriptor", timeout=15)
+        after = run(client, "step", "b", timeout=30)
+    assert before.completed and after.completed, (before.error, after.error)
+    if closer.status == "COMPLETED":
+        assert closer.results == {"out": "closed"}
+    else:  # its worker lost its sockets: it exits (or is killed at the timeout), alone
+        assert closer.error is not None and closer.error["kind"] in ("runtime", "timeout"), closer.error
+    assert identity(after) != identity(before)

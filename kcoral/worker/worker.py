@@ -226,7 +226,9 @@ def run_worker(settings: WorkerSettings) -> int:
     socket.setsockopt(zmq.IDENTITY, protocol.worker_id(settings.identity))
     socket.setsockopt(zmq.LINGER, 0)  # results go on sockets of their own (_send_result)
     socket.connect(settings.connect)
-    results = zmq.Context()  # for the first RESULT (_send_result), made while no program is here
+    # For the RESULTs (_send_result): made while no program is here, its sockets and threads
+    # only after the first program; a reused worker keeps it for the next ones.
+    results = zmq.Context()
     if settings.go_fd is not None:
         # A spare waits here, connected, while the program before it runs. EOF: the zygote is gone.
         announced = bool(os.read(settings.go_fd, 1))  # Python retries a read a signal interrupts
@@ -309,8 +311,8 @@ def run_worker(settings: WorkerSettings) -> int:
                 **outcome.notes,
             }
             packed, frames = bounded_result(outcome.body, outcome.frames)
-            _send_result(results, settings, done, [protocol.VERSION, protocol.RESULT, packed, *frames])
-            results = zmq.Context()  # for the next program's RESULT, while this worker waits for it
+            message = [protocol.VERSION, protocol.RESULT, packed, *frames]
+            _send_result(results, settings, done, message, wait=not reusable)
             done += 1
             if not reusable:
                 return 0
@@ -324,12 +326,23 @@ def run_worker(settings: WorkerSettings) -> int:
         context.term()
 
 
-def _send_result(context: zmq.Context[Any], settings: WorkerSettings, number: int, message: list[Any]) -> None:
+def _send_result(
+    context: zmq.Context[Any], settings: WorkerSettings, number: int, message: list[Any], *, wait: bool
+) -> None:
     """Send a RESULT on a connection of its own (protocol.RESULT_IDENTITY_SEPARATOR), made now
-    (after the program's last instruction), and wait until it is delivered: a program's threads
-    that flood the worker's socket can neither delay it nor interleave with it (a zmq socket is
-    not for two threads), nor kill the worker before it is out. ``context`` is for this RESULT
-    alone (made while the worker was idle), so that ending it waits for nothing else."""
+    (after the program's last instruction): a program's threads that flood the worker's socket can
+    neither delay it nor interleave with it (a zmq socket is not for two threads). ``context`` is
+    for RESULTs alone (made while the worker was idle), so that ending it waits for nothing else.
+
+    ``wait``: end the context, which returns once the RESULT is delivered, so that the worker's
+    exit cannot lose it. A worker that goes on (``wait`` false: its program reusable, so no thread
+    or process of it is left) keeps the context for its next RESULT, whose connection it makes
+    the same way; its I/O thread delivers this one while the worker waits for its next program,
+    which the broker sends only once it has this RESULT. Making and ending a context per RESULT
+    (its I/O and reaper threads) cost 0.6 ms of a session's program on the quiet 2-core VM, and
+    3.6 ms under load (``benchmarks/RESULTS.md``, "Where a constant program's time goes"). A later
+    program of the worker that closes the kept context's descriptors loses its own RESULT with the
+    worker (its exit, or its timeout), as one that closes the worker's socket does; no other's."""
     result = context.socket(zmq.DEALER)
     identity = protocol.worker_id(settings.identity) + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
     result.setsockopt(zmq.IDENTITY, identity)
@@ -338,8 +351,9 @@ def _send_result(context: zmq.Context[Any], settings: WorkerSettings, number: in
     try:
         result.send_multipart(message, copy=False)
     finally:
-        result.close()
-        context.term()  # returns once the RESULT is out (or RESULT_LINGER_MS is up)
+        result.close()  # with RESULT_LINGER_MS: still delivered after the close
+        if wait:
+            context.term()  # returns once the RESULT is out (or RESULT_LINGER_MS is up)
 
 
 def _in_session(body: dict[str, Any]) -> bool:
