@@ -398,3 +398,22 @@ def test_peek_request_id_reads_only_what_it_needs() -> None:
     for bad in (b"", protocol.pack([1, 2]), protocol.pack({"ok": True}), protocol.pack({"request_id": "no spaces"})):
         with pytest.raises(protocol.WireError):
             protocol.peek_request_id(bad)
+
+
+def test_session_programs_through_the_router_never_share_a_worker(
+    router_factory: Callable[..., RunningRouter], broker_factory: BrokerFactory
+) -> None:
+    # Every router client reaches the node through its one relay connection, which would key one
+    # session for all of them: the node runs them as any other program, each in a fresh worker.
+    router = router_factory()
+    broker = broker_factory("--workers", "2", "--upstream", router.nodes_url, "--node-id", "a")
+    wait_live(router, "a")
+    program = Program()
+    program.return_(key="v", value=1)
+    with Client(router.url, session=True) as alice, Client(router.url, session=True) as bob:
+        results = [alice.execute(program), bob.execute(program), alice.execute(program)]
+    assert all(r.completed for r in results), [r.error for r in results]
+    identities = [r.worker["identity"] for r in results]
+    assert len(set(identities)) == 3, identities
+    with Client(broker.url) as client:
+        assert client.health()["sessions"] == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -163,6 +163,11 @@ class ProgramIntake:
             self.port.refuse(client, request_id, *admitted)
             return
         program, options, digests = admitted.program, admitted.options, admitted.digests
+        if options.session and owner in self.trusted:
+            # Through the router relay every client of the router is this one connection, which
+            # keys a session (kcoral.broker.sessions): one router client's program would enter
+            # another's session worker. Such a program runs as any other, in a fresh worker.
+            options = replace(options, session=False)
         # One hit or miss per blob and program, on what the cache held when the program arrived;
         # later rounds check without counting, so a cold blob is not also counted as a hit.
         absent = self.blobs.missing(digests)
