@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The GPU evidence still missing for issues 20, 21 and 22, in one device call of about 9 minutes on a
+# one-GPU H200 host, as root, from the root of the tree:
+#
+#     OUT=/some/dir bash benchmarks/gpu_batch_evidence.sh
+#
+# Installs the wheels in .whl/ and this tree, starts one broker on its defaults (bubblewrap, CUDA
+# contexts made ahead, 4 workers per GPU) and then, each part bounded in time and all of them within
+# BUDGET_S (540 s, after which a part is skipped and says so):
+#   suspect-rate    issue 21: the honest workloads of benchmarks/timing.py as separate programs beside
+#                   contexts made ahead (TIMING_RUNS x 4 = 12 programs): how many read `ok`, the
+#                   reasons of the others, and each report's gpu_processes (busy, excused, own);
+#   busy-service    issue 22: compare() programs on the broker while a process outside KCoral keeps
+#                   the GPU busy: never `faster`;
+#   compare         issue 22: benchmarks/compare_gpu.py in this process: 10 runs each of the add
+#                   against itself, against 1.03x, the matmul against its 1.5x variant (with the
+#                   medians apart), the adaptive stop, a busy GPU;
+#   remote-honest   issue 20: 10 honest `kcoral remote` runs of add, matmul, small_mlp, beside the
+#                   same candidate's benchmark() in a program on the same broker;
+#   remote-attacks  tests/gpu/test_remote_attacks_gpu.py against that broker;
+#   snapshot-gaps   tests/gpu/test_snapshot_gaps_gpu.py.
+# PARTS (default: all of them, in that order) picks some; BROKER_FLAGS adds flags to the broker's
+# (a dry run on a machine whose venv has the tree installed editable: BROKER_FLAGS="--sandbox none",
+# SKIP_INSTALL=1). Logs and JSON go to a work folder; after
+# every part it is packed again as $OUT/evidence.tar.gz, beside $OUT/summary.txt and
+# $OUT/environment.txt: three files under $OUT, whatever is cut short. On a host without a GPU every
+# part runs and fails or skips at once (a dry run of the script itself).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+DEST=${OUT:-/tmp/kcoral-gpu-batch-evidence}
+mkdir -p "$DEST"
+WORK=$(mktemp -d /tmp/kcoral-evidence.XXXXXX)
+OUT="$WORK/evidence"
+# shellcheck source=gpu_batch_common.sh source-path=SCRIPTDIR
+source "$(dirname "$0")/gpu_batch_common.sh"
+BUDGET_S=${BUDGET_S:-540}
+PARTS=${PARTS:-suspect-rate busy-service compare remote-honest remote-attacks snapshot-gaps}
+PORT=${EVIDENCE_PORT:-5611}
+URL="tcp://127.0.0.1:$PORT"
+BROKER_PID=""
+BROKER_READY=0
+
+pack() {  # the work folder as $DEST/evidence.tar.gz, the summary beside it
+    tar -czf "$DEST/evidence.tar.gz.part" -C "$WORK" evidence 2>/dev/null && mv "$DEST/evidence.tar.gz.part" "$DEST/evidence.tar.gz"
+    cp "$SUMMARY" "$DEST/summary.txt"
+}
+
+stop_broker() {
+    if [ -n "$BROKER_PID" ] && kill -0 "$BROKER_PID" 2>/dev/null; then
+        kill -TERM "$BROKER_PID" 2>/dev/null
+        for _ in $(seq 1 50); do kill -0 "$BROKER_PID" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL "$BROKER_PID" 2>/dev/null
+    fi
+    BROKER_PID=""
+BROKER_READY=0
+}
+
+finish() {
+    stop_broker
+    echo "== done after ${SECONDS}s" | tee -a "$SUMMARY"
+    pack
+}
+trap finish EXIT
+
+wanted() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+part() {  # part NAME SECONDS COMMAND...: a step bounded by its own limit and by what is left of BUDGET_S
+    local name=$1 limit=$2
+    shift 2
+    wanted "$name" || return 0
+    case "$name" in
+    suspect-rate | busy-service | remote-honest | remote-attacks)
+        if [ "$BROKER_READY" != 1 ]; then
+            echo "== $name: skipped, the broker is not ready" | tee -a "$SUMMARY"
+            return 0
+        fi
+        ;;
+    esac
+    local left=$((BUDGET_S - SECONDS - 10))
+    if [ "$left" -lt 15 ]; then
+        echo "== $name: skipped, ${left}s of the budget left" | tee -a "$SUMMARY"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    step "$name" "$limit" "$@"
+    pack
+}
+
+start_broker() {  # the broker's defaults on this host's GPUs (BROKER_FLAGS: more flags); ready, or its parts skip
+    # shellcheck disable=SC2086  # BROKER_FLAGS: words
+    setsid "$PY" -m kcoral broker --listen "$URL" ${BROKER_FLAGS:-} >"$OUT/broker.log" 2>&1 &
+    BROKER_PID=$!
+    local start=$SECONDS
+    until "$PY" -m kcoral status "$URL" --ready >/dev/null 2>&1; do
+        if ! kill -0 "$BROKER_PID" 2>/dev/null || [ $((SECONDS - start)) -ge "${BROKER_START_S:-90}" ]; then
+            echo "== broker: not ready after $((SECONDS - start))s (see broker.log)" | tee -a "$SUMMARY"
+            return 1
+        fi
+        sleep 1
+    done
+    BROKER_READY=1
+    echo "== broker: ready on $URL after $((SECONDS - start))s" | tee -a "$SUMMARY"
+    "$PY" -m kcoral status "$URL" --json >"$OUT/broker-status.json" 2>&1
+}
+
+{ date -u; git log -1 --oneline 2>/dev/null || true; nvidia-smi -L 2>&1; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,power.limit --format=csv 2>&1; nproc; } \
+    >"$DEST/environment.txt" 2>&1
+[ -n "${SKIP_INSTALL:-}" ] || install_kcoral  # SKIP_INSTALL=1: a dry run with the interpreter as it is
+pack
+PYTEST=("$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rA)
+if wanted suspect-rate || wanted busy-service || wanted remote-honest || wanted remote-attacks; then
+    start_broker
+fi
+
+# Issue 21: honest benchmark() beside contexts made ahead (12 programs; 2-3 of 12 read suspect before).
+part suspect-rate "${SUSPECT_S:-80}" "$PY" benchmarks/timing.py --via-service "$URL" --runs "${TIMING_RUNS:-3}" \
+    --no-ncu --json "$OUT/suspect-rate.json"
+# Issue 22: a GPU held busy by a process outside KCoral, through the service.
+part busy-service "${BUSY_S:-60}" "$PY" benchmarks/gpu_evidence.py busy-service --url "$URL" --runs "${BUSY_RUNS:-3}" \
+    --busy-seconds 45 --json "$OUT/busy-service.json"
+# Issue 22: compare() in this process (its rows are printed as they come: a part cut short keeps them).
+part compare "${COMPARE_S:-170}" "$PY" benchmarks/compare_gpu.py --runs "${COMPARE_RUNS:-10}" \
+    --matmul-runs "${MATMUL_RUNS:-10}" --busy-seconds 40 --json "$OUT/compare.json"
+# Issue 20: the honest candidates through kcoral remote (about 6-9 s each), beside benchmark().
+part remote-honest "${REMOTE_HONEST_S:-200}" "$PY" benchmarks/gpu_evidence.py remote-honest --url "$URL" \
+    --runs "${REMOTE_RUNS:-10}" --in-process 3 --json "$OUT/remote-honest.json"
+# Issue 20: the attacks of tests/gpu/remote_attacks/, and the trusted snapshot's gaps (class 8).
+part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${PYTEST[@]}" \
+    tests/gpu/test_remote_attacks_gpu.py
+stop_broker
+part snapshot-gaps "${GAPS_S:-45}" "${PYTEST[@]}" tests/gpu/test_snapshot_gaps_gpu.py
