@@ -19,6 +19,13 @@ from tests.test_router import router_factory, wait_live  # noqa: F401  (router_f
 
 pytestmark = pytest.mark.timeout(60)
 
+DOCUMENTED_FIELDS = frozenset(
+    {
+        "request_id", "node_id", "hostname", "broker_instance_id", "versions", "sandbox", "device",
+        "fake_gpus", "gpus", "gpu_conditions", "program", "options", "program_claims",
+    }
+)  # fmt: skip
+
 SOURCE = """
 from kcoral.builtins import note_seed
 
@@ -112,6 +119,14 @@ def check_provenance(result: Any, data: np.ndarray, *, node_id: str | None) -> d
     assert provenance["options"]["timeout_seconds"] == 30
     assert provenance["gpus"] == [{"index": 0, "uuid": None, "name": None, "pci_bus_id": None}]  # a fake GPU
     assert provenance["gpu_conditions"] == {"start": None, "end": None}  # no NVML on a CPU host
+    # Every field of docs/protocol.md section 8, filled as this host allows (no NVIDIA driver here).
+    assert set(provenance) >= DOCUMENTED_FIELDS, DOCUMENTED_FIELDS - set(provenance)
+    assert isinstance(provenance["hostname"], str) and provenance["hostname"]
+    assert isinstance(provenance["broker_instance_id"], str) and provenance["broker_instance_id"]
+    assert provenance["fake_gpus"] == 1 and provenance["device"] in ("cpu", "gpu")
+    assert provenance["versions"]["torch"] and provenance["versions"]["numpy"]
+    assert len(provenance["program"]["digest"]) == 64
+    assert "torch_cuda" in provenance["program_claims"]
     return dict(provenance)
 
 
