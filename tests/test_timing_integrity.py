@@ -27,7 +27,7 @@ from kcoral.timing.inputs import (
     check_outputs,
     plan_inputs,
 )
-from kcoral.timing.neighbours import KnownPids
+from kcoral.timing.neighbours import MOST_PIDS, KnownPids
 from kcoral.timing.timers import cupti_reasons, own_records_missing
 from kcoral.timing.windows import CallWindow, attribute, role_of
 
@@ -573,7 +573,8 @@ def test_the_grant_s_pids_are_validated_and_kept_for_the_program(armed_state: tr
     body = {"own": OWN, "idle": [SPARE], "exited": [GONE]}
     assert KnownPids.from_wire(body) == KnownPids(OWN, frozenset({SPARE}), frozenset({GONE}))
     assert KnownPids.from_wire(body).to_wire() == body  # type: ignore[union-attr]
-    for bad in ({"own": "5000"}, {"idle": [True]}, {"exited": [0]}, {"exited": list(range(1, 1000))}, [OWN], None):
+    too_many = {"exited": list(range(1, MOST_PIDS + 2))}
+    for bad in ({"own": "5000"}, {"idle": [True]}, {"exited": [0]}, too_many, [OWN], None):
         assert KnownPids.from_wire(bad) is None, bad
     before = armed_state.known_pids
     try:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kcoral import protocol
-from kcoral.broker.gpu_pids import GpuPids
+from kcoral.broker.gpu_pids import GRANT_MOST, GpuPids
 from kcoral.broker.leases import LeaseTable
 from kcoral.broker.requests import Request, RequestState, Worker
 from kcoral.broker.settings import BrokerSettings
@@ -219,3 +219,7 @@ def test_an_exited_holder_is_named_for_a_while_and_never_as_the_holder_itself() 
     pids.lease_gone([0], 102, now=12.0)
     pids.lease_gone([0], 103, now=12.0)
     assert pids.exited([0], now=12.0) == [102, 103] and pids.exited([1], now=12.0) == [101]
+    many = GpuPids()
+    for pid in range(1, GRANT_MOST + 101):
+        many.lease_gone([pid % 8], pid, now=float(pid) / 1000)
+    assert many.exited(range(8), now=10.0) == list(range(101, GRANT_MOST + 101))  # the latest, at most

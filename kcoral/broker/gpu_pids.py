@@ -20,7 +20,8 @@ from typing import Any, Final
 # (NVML's samples of a process outlive it: on the H200 some named processes that had ended before
 # the grant, one before the run of programs began, so the margin is wide).
 KEEP_SECONDS: Final = 120.0
-MOST_PER_GPU: Final = 64
+MOST_PER_GPU: Final = 1024  # about 120 s of fresh programs at the driver's floor (5-7 a second per GPU)
+GRANT_MOST: Final = 8192  # in one GRANT, at most (kcoral.timing.neighbours.MOST_PIDS)
 
 
 @dataclass
@@ -39,14 +40,17 @@ class GpuPids:
             self.gone.setdefault(gpu, deque(maxlen=self.most)).append((host_pid, now))
 
     def exited(self, gpus: Iterable[int], now: float) -> list[int]:
-        """Host pids of the holders gone from ``gpus`` within ``keep_seconds``."""
-        found: set[int] = set()
+        """Host pids of the holders gone from ``gpus`` within ``keep_seconds`` (the latest
+        ``GRANT_MOST`` of them)."""
+        found: dict[int, float] = {}
         for gpu in gpus:
             entries = self.gone.get(gpu)
             while entries and now - entries[0][1] > self.keep_seconds:
                 entries.popleft()
-            found.update(pid for pid, _ in entries or ())
-        return sorted(found)
+            for pid, at in entries or ():
+                found[pid] = max(at, found.get(pid, at))
+        latest = sorted(found, key=lambda pid: found[pid], reverse=True)[:GRANT_MOST]
+        return sorted(latest)
 
     def grant(self, gpus: Iterable[int], own: int | None, spare: int | None, now: float) -> dict[str, Any]:
         """GRANT's ``gpu_pids`` map (the wire form of ``kcoral.timing.neighbours.KnownPids``)."""
@@ -54,4 +58,4 @@ class GpuPids:
         return {"own": own, "idle": [spare] if spare is not None else [], "exited": exited}
 
 
-__all__ = ["KEEP_SECONDS", "MOST_PER_GPU", "GpuPids"]
+__all__ = ["GRANT_MOST", "KEEP_SECONDS", "MOST_PER_GPU", "GpuPids"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 # The most pids of each kind a GRANT may carry (more is a broken or hostile message: none is taken).
-MOST_PIDS: Final = 256
+MOST_PIDS: Final = 8192  # 8 GPUs of kcoral.broker.gpu_pids.MOST_PER_GPU each
 PID_MOST: Final = 1 << 22  # Linux's pid_max at most
 
 
@@ -42,7 +42,7 @@ def _pids(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
     if not isinstance(value, list) or len(value) > MOST_PIDS:
-        raise ValueError(f"not a list of at most {MOST_PIDS} pids: {value!r}")
+        raise ValueError(f"not a list of at most {MOST_PIDS} pids ({type(value).__name__})")
     return frozenset(map(_pid, value))
 
 
