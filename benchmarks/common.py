@@ -64,6 +64,21 @@ def router(nodes: int, *broker_flags: str, router_flags: Sequence[str] = ()) -> 
         service.stop()
 
 
+@contextlib.contextmanager
+def routed_broker(*broker_flags: str) -> Iterator[tuple[str, str]]:
+    """One broker that joins a ``kcoral router``: yield (the router's client URL, the broker's
+    own), once the node is live, so that one run can reach the same broker both ways."""
+    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
+    service = start_router(work_dir, log_level="warning")
+    try:
+        assert service.nodes_url is not None
+        with broker("--upstream", service.nodes_url, "--node-id", "node-0", *broker_flags) as (url, _):
+            wait_ready(service, lambda health: any(n.get("state") == "live" for n in health["nodes"]))
+            yield service.url, url
+    finally:
+        service.stop()
+
+
 def constant_program(value: object = 1) -> Program:
     program = Program()
     program.return_(key="v", value=value)

@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
     python benchmarks/overhead.py --phases [--session] [--requests 300] [--broker-flags "..."] [--json out.json]
     python benchmarks/overhead.py --against DIR [--session] [--requests 300] [--rounds 5]
+    python benchmarks/overhead.py --router [--requests 300] [--rounds 5]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
 constant program in a loop, (3) the same with a module upload and a function call, (4) programs per
@@ -26,6 +27,10 @@ in one client session (``Client(session=True)``), one worker for all of them.
 checkout at DIR (a second worktree at an older commit, say), alternated round by round, each
 measured through the same client; with ``--session`` every client (one at a time, and the one
 with N in flight) runs its programs in its session.
+
+``--router`` measures the router's hop: one broker that joins a ``kcoral router``, reached directly
+and through the router, alternated round by round in one run (the router's p50 less the direct one's
+is what the hop adds).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from benchmarks.common import (
     plot_latencies,
     print_table,
     progress,
+    routed_broker,
     save_json,
 )
 from kcoral import AsyncClient, Client
@@ -208,6 +214,7 @@ def main() -> int:
         "--against", type=Path, default=None, metavar="DIR", help="compare with a broker run from the checkout at DIR"
     )
     parser.add_argument("--phases", action="store_true", help="where a constant program's milliseconds go")
+    parser.add_argument("--router", action="store_true", help="one broker directly and through kcoral router")
     parser.add_argument(
         "--session", action="store_true", help="with --phases or --against: the programs in one client session"
     )
@@ -216,6 +223,8 @@ def main() -> int:
         return curve_cost(args)
     if args.against is not None:
         return against(args)
+    if args.router:
+        return router_hop(args)
     if args.phases:
         with broker(*args.broker_flags.split()) as (url, _):
             samples = phases(url, args.requests, args.session)
@@ -315,6 +324,28 @@ def against(args: argparse.Namespace) -> int:
     p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
     print(f"\nthis / other: p50 {p50_ratio:.3f}x, {args.in_flight} in flight {rate_ratio:.3f}x")
     save_json(args.json, {"rows": rows, "rates": rates, "machine": machine(), "against": str(args.against)})
+    return 0
+
+
+def router_hop(args: argparse.Namespace) -> int:
+    """The constant program's p50 and the rate with N in flight, directly and through the router."""
+    with routed_broker(*args.broker_flags.split()) as (router_url, direct_url):
+        rows, rates = alternate(args, {"direct": (direct_url, None), "router": (router_url, None)})
+    print_table(
+        f"The router's hop ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
+        [
+            "path",
+            "n",
+            "constant p50 ms",
+            "p99 ms",
+            f"programs/s, {args.in_flight} in flight (median)",
+            "one at a time/s",
+        ],
+        rows,
+    )
+    hop, ratio = rows[1][2] - rows[0][2], rows[1][4] / rows[0][4]
+    print(f"\nrouter - direct: p50 {hop:+.3f} ms; {args.in_flight} in flight {ratio:.3f}x")
+    save_json(args.json, {"rows": rows, "rates": rates, "machine": machine()})
     return 0
 
 
