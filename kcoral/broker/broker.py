@@ -41,6 +41,7 @@ from kcoral.service.metrics import ServiceMetrics, programs_in_flight
 from kcoral.service.queue import RequestQueue
 from kcoral.service.shell import ClientMessage, ServiceShell, ShellSettings
 from kcoral.service.sockets import receive_forever, router_socket, send_now
+from kcoral.worker.memory_cgroup import SlotCgroups
 
 log = structlog.get_logger("kcoral.broker")
 
@@ -122,7 +123,12 @@ class Broker:
         )
         self.backend = router_socket(self.shell.context)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
-        specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint)
+        # Made before the zygotes start (each is handed its slot's directory) and removed after.
+        self.cgroups = SlotCgroups.make(
+            memory_limit=settings.limits.get("memory_bytes") or 0,
+            enabled=settings.memory_cgroup == "auto",
+        )
+        specs = slot_specs(self.settings, self.target, self.run_dir, self.worker_endpoint, self.cgroups)
         # The zygotes' reports go to the worker side, made just below (it needs the supervisor).
         self.supervisor = Supervisor(
             specs,
@@ -180,6 +186,7 @@ class Broker:
             gpus=list(self.gpu_ids),
             slots=len(self.supervisor.slots),
             sandbox=self.settings.sandbox,
+            memory_accounting=self.cgroups.describe(),
             instance_id=self.instance_id,
         )
         if self.settings.sandbox == "none":
@@ -191,6 +198,9 @@ class Broker:
         if self.upstream is not None:
             await self.upstream.close()  # its sockets must be closed before the context ends
         await self.supervisor.stop()
+        made = self.cgroups.describe()
+        if not self.cgroups.remove():
+            log.warning("memory_cgroup_left", **made)
         self.backend.close(linger=0)
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -487,6 +497,7 @@ class Broker:
             **programs_in_flight([r.describe(now) for r in self.requests]),
             "sessions": self.sessions.snapshot(),
             "sandbox": self.settings.sandbox,
+            "memory_accounting": self.cgroups.describe(),
             **({"sandbox_reason": self.settings.sandbox_reason} if self.settings.sandbox_reason else {}),
             # Once every worker slot has had a worker ready (the broker_ready line): readiness probes
             # ask for it, and for the upstream link's registration (kcoral status --ready).

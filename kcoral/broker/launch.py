@@ -32,6 +32,7 @@ from kcoral.broker.supervisor import SlotSpec
 from kcoral.broker.target import TargetInfo
 from kcoral.protocol.zygote_link import ZYGOTE_MODULE, ZygoteSettings
 from kcoral.sandbox.bubblewrap import WORKSPACE, GpuBind, SandboxSpec, check_bwrap, sandbox_argv
+from kcoral.worker.memory_cgroup import SlotCgroups
 
 __all__ = ["Bubblewrap", "Unsandboxed", "slot_specs", "zygote_argv", "zygote_launcher"]
 
@@ -165,9 +166,16 @@ def _hide_listing(blob_dir: Path) -> None:
     os.chmod(blob_dir, BLOB_DIR_MODE)
 
 
-def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, connect: str) -> list[SlotSpec]:
+def slot_specs(
+    settings: BrokerSettings,
+    target: TargetInfo,
+    run_dir: Path,
+    connect: str,
+    cgroups: SlotCgroups | None = None,
+) -> list[SlotSpec]:
     """One slot per worker: ``workers_per_gpu`` on each leased GPU, or ``workers`` without GPUs;
-    each a zygote command in its sandbox (checked once here: SandboxUnavailable otherwise)."""
+    each a zygote command in its sandbox (checked once here: SandboxUnavailable otherwise).
+    ``cgroups``: the slots' memory cgroups, each zygote given its own slot's descriptor."""
     launcher = zygote_launcher(settings, run_dir)
     if target.lease_gpus:
         per_gpu = slots_per_gpu(settings)
@@ -180,6 +188,7 @@ def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, conn
     specs: list[SlotSpec] = []
     for slot, gpu in enumerate(placement):
         workspace = run_dir / "slots" / str(slot)
+        cgroup_fd = cgroups.fd(slot) if cgroups is not None else None
         zygote = ZygoteSettings(
             connect=connect,
             slot=slot,
@@ -193,9 +202,11 @@ def slot_specs(settings: BrokerSettings, target: TargetInfo, run_dir: Path, conn
             # Fake GPUs have no device to make a context on.
             cuda_context=settings.cuda_context if not target.fake else "lazy",
             gpu_handover=settings.gpu_handover,
+            memory_cgroup_fd=cgroup_fd,
         )
         argv = launcher.wrap(zygote_argv(zygote), slot=slot, workspace=workspace, gpu_nodes=gpu_binds)
-        specs.append(SlotSpec(slot, gpu, workspace, tuple(argv)))
+        passed = (cgroup_fd,) if cgroup_fd is not None else ()
+        specs.append(SlotSpec(slot, gpu, workspace, tuple(argv), pass_fds=passed))
     return specs
 
 

@@ -34,6 +34,7 @@ DEFAULT_WORKERS_PER_REAL_GPU = 4
 SANDBOXES = ("auto", "bubblewrap", "none")
 CUDA_CONTEXTS = ("eager", "lazy")
 GPU_HANDOVERS = ("exit", "quiet")
+MEMORY_CGROUPS = ("auto", "off")
 
 # Default per-worker limits (see kcoral.worker.processes for how each is enforced). Generous for
 # real work, tight enough that a runaway program fails with a message naming the limit before it
@@ -90,6 +91,10 @@ class BrokerSettings:
     # once the worker has exited (its context torn down); "quiet", once none of its processes can
     # run code any more, while the driver may still tear the context down.
     gpu_handover: str = "exit"
+    # "auto": each worker in a memory cgroup of its own, held to the memory limit by the kernel,
+    # where the cgroup v1 memory controller is writable (kcoral.worker.memory_cgroup); "off": the
+    # zygote's samples alone.
+    memory_cgroup: str = "auto"
     # Client sessions (kcoral.broker.sessions): one ends this long after its last program, and at
     # the end of the program running this long after its first; its GPU is the others' again then.
     session_idle_seconds: float = 10.0
@@ -172,6 +177,7 @@ def resolve(settings: BrokerSettings) -> BrokerSettings:
     for name, value, allowed in (
         ("cuda_context", settings.cuda_context, CUDA_CONTEXTS),
         ("gpu_handover", settings.gpu_handover, GPU_HANDOVERS),
+        ("memory_cgroup", settings.memory_cgroup, MEMORY_CGROUPS),
     ):
         if value not in allowed:
             raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
@@ -234,6 +240,7 @@ __all__ = [
     "DEFAULT_MAX_PROCESSES",
     "DEFAULT_WORKERS_PER_REAL_GPU",
     "GPU_HANDOVERS",
+    "MEMORY_CGROUPS",
     "SANDBOXES",
     "BrokerSettings",
     "default_cpu_workers",

@@ -67,6 +67,7 @@ class SlotSpec:
     workspace: Path
     argv: tuple[str, ...]  # full command, sandbox prefix included
     env: dict[str, str] | None = None
+    pass_fds: tuple[int, ...] = ()  # descriptors the zygote inherits (its slot's memory cgroup)
 
 
 class SlotPhase(StrEnum):
@@ -268,6 +269,7 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 env=spec.env if spec.env is not None else dict(os.environ),
                 limit=MAX_EVENT_LINE_BYTES,
+                pass_fds=spec.pass_fds,
                 # Its own session: a terminal's Ctrl-C goes to the foreground process group, and
                 # must reach the broker alone (it drains), not bwrap or the zygote under it; and
                 # os.killpg(os.getpgid(os.getppid()), ...) in a program reaches its zygote at most.

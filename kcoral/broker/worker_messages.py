@@ -321,6 +321,8 @@ class WorkerMessages:
             self.sessions.end(session)
         worker = self.pool.exit(exit)
         if worker is None or worker.request_id is None:
+            if exit.reason:  # its program was answered: what it left (children) broke a limit after
+                log.warning("worker_killed_after_result", worker=exit.worker, reason=exit.reason)
             return
         request = self.requests.get(worker.request_id)
         if request is None:

@@ -21,6 +21,7 @@ from kcoral.broker.settings import (
     DEFAULT_MAX_PROCESSES,
     DEFAULT_WORKERS_PER_REAL_GPU,
     GPU_HANDOVERS,
+    MEMORY_CGROUPS,
     SANDBOXES,
     BrokerSettings,
 )
@@ -148,6 +149,14 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "(default: 80%% of RAM shared among the slots, at least 4 GiB)",
     )
     broker.add_argument(
+        "--memory-cgroup",
+        choices=MEMORY_CGROUPS,
+        default=MEMORY_CGROUPS[0],
+        help="auto: each worker in a memory cgroup of its own where the cgroup v1 memory controller is "
+        "writable (the kernel then holds all its processes to --memory-limit, however short their bursts); "
+        "off: the watchdog's 50 ms samples alone",
+    )
+    broker.add_argument(
         "--max-processes",
         type=non_negative,
         default=None,
@@ -248,6 +257,7 @@ SAME_NAME_FIELDS = (
     "max_programs_per_worker",
     "cuda_context",
     "gpu_handover",
+    "memory_cgroup",
     "cache_dir",
     "cache_bytes",
     "cache_disk_bytes",

@@ -97,6 +97,9 @@ class ZygoteSettings:
     # "exit": a worker with a CUDA context holds the GPU lease until it has exited; "quiet": until
     # none of its processes can run code (its context may still be torn down).
     gpu_handover: str = "exit"
+    # A descriptor of the slot's directory in the broker's memory cgroup (kcoral.worker.memory_cgroup),
+    # open in the zygote; None: no memory cgroups, the watchdog's samples alone.
+    memory_cgroup_fd: int | None = None
 
     def to_argv(self) -> list[str]:
         argv = [
@@ -120,6 +123,8 @@ class ZygoteSettings:
         if self.gpu_nodes is not None:
             argv += ["--gpu-nodes", json.dumps({str(index): node for index, node in sorted(self.gpu_nodes.items())})]
         argv += ["--cuda-context", self.cuda_context, "--gpu-handover", self.gpu_handover]
+        if self.memory_cgroup_fd is not None:
+            argv += ["--memory-cgroup-fd", str(self.memory_cgroup_fd)]
         return argv
 
     @classmethod
@@ -137,6 +142,7 @@ class ZygoteSettings:
         parser.add_argument("--sandboxed", action="store_true", help="in a sandbox of the slot's own")
         parser.add_argument("--cuda-context", choices=("eager", "lazy"), default="lazy")
         parser.add_argument("--gpu-handover", choices=("exit", "quiet"), default="exit")
+        parser.add_argument("--memory-cgroup-fd", type=int, default=None, help="the slot's memory cgroup, open")
         # Each flag's dest is the field's name: only the JSON and list values need reading.
         args = vars(parser.parse_args(argv))
         nodes = args["gpu_nodes"]

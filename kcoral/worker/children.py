@@ -26,6 +26,7 @@ from pathlib import Path
 from kcoral.protocol.zygote_link import ZygoteSettings
 from kcoral.timing.trust import arm_in_zygote
 from kcoral.worker import confinement, limits, processes
+from kcoral.worker.memory_cgroup import WorkerCgroup
 from kcoral.worker.state import reseed_generators
 
 EXIT_WORKER_CRASHED = 70
@@ -86,6 +87,8 @@ class Child:
     # Killed holding a GPU device: the zygote watches for the moment none of its processes can run
     # code any more (see Zygote.check_quiet), when the lease may go back before the exit is through.
     quiet_watch: bool = False
+    # Its memory cgroup (kcoral.worker.memory_cgroup), where the slot has them.
+    cgroup: WorkerCgroup | None = None
 
 
 def let_go(child: Child) -> None:
@@ -111,7 +114,10 @@ def close_inherited_descriptors(keep: int | None = None) -> None:
     descriptor to the zygote's epoll set, or write an event line, would blind or fool it).
     """
     first = FIRST_INHERITED_FD
-    if keep is not None:
+    if keep == FIRST_INHERITED_FD:
+        os.set_inheritable(keep, False)  # already there (dup2 onto itself would fail)
+        first += 1
+    elif keep is not None:
         os.dup2(keep, FIRST_INHERITED_FD, inheritable=False)
         first += 1
     os.closerange(first, os.sysconf("SC_OPEN_MAX"))

@@ -44,6 +44,7 @@ are not rlimits alone), and kills all of them when the worker ends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -63,6 +64,7 @@ from kcoral.protocol.zygote_link import (
 )
 from kcoral.worker import confinement, limits, processes, workspace
 from kcoral.worker.children import (
+    FIRST_INHERITED_FD,
     PARENT_DEATH_SIGNAL,
     Child,
     SpareState,
@@ -73,6 +75,7 @@ from kcoral.worker.children import (
     let_go,
     preload_for_workers,
 )
+from kcoral.worker.memory_cgroup import WorkerCgroup, remove_leftovers
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
 
 FAST_EXIT_SECONDS = 1.0
@@ -128,6 +131,10 @@ class Zygote:
         self.next_alive = 0.0
         self.expected = SpareState.of_this_process(settings.limits)
         self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
+        # The slot's directory in the broker's memory cgroup: each worker gets a cgroup of its own
+        # in it, held to the memory limit by the kernel (kcoral.worker.memory_cgroup).
+        memory_limit = settings.limits.get("memory_bytes") or 0
+        self.cgroup_fd = settings.memory_cgroup_fd if memory_limit else None
 
     def serve(self) -> int:
         preload_for_workers(self.settings.preload)
@@ -170,6 +177,8 @@ class Zygote:
         """Empty what a program can leave in the slot: its workspace, System V IPC objects and
         (inside the sandbox) keys and POSIX message queues."""
         workspace.wipe(self.settings.workspace)
+        if self.cgroup_fd is not None:
+            remove_leftovers(self.cgroup_fd, {c.cgroup.name for c in self.children() if c.cgroup is not None})
         if self.private_ipc:
             workspace.remove_ipc_objects()
         if self.settings.sandboxed:
@@ -196,10 +205,17 @@ class Zygote:
         sys.stderr.flush()
         zygote_pid = os.getpid()
         go_read, go_write = os.pipe()
+        cgroup = self.make_cgroup(identity)
         pid = os.fork()
         if pid == 0:
             become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=eager)
         os.close(go_read)
+        if cgroup is not None:
+            try:
+                cgroup.join(pid)  # before it has a program: whatever it forks later is in it too
+            except OSError:
+                cgroup.remove()
+                cgroup = None
         try:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -208,10 +224,44 @@ class Zygote:
         for which, value in limits.rlimit_values(self.settings.limits).items():
             with contextlib.suppress(OSError):
                 resource.prlimit(pid, which, value)
-        child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write, eager=eager)
+        child = Child(pid, identity, pidfd, time.monotonic(), board, go=go_write, eager=eager, cgroup=cgroup)
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, child)
+        if cgroup is not None:
+            self.selector.register(cgroup.events, selectors.EVENT_READ, cgroup)
         return child
+
+    def make_cgroup(self, identity: str) -> WorkerCgroup | None:
+        """The memory cgroup of the worker about to be forked, where the slot has them; None where
+        it cannot be made (the watchdog's samples alone then, as without cgroups)."""
+        if self.cgroup_fd is None:
+            return None
+        try:
+            return WorkerCgroup(self.cgroup_fd, identity, self.settings.limits["memory_bytes"])
+        except OSError:
+            return None
+
+    def release_cgroup(self, child: Child) -> None:
+        """Remove the cgroup of a worker that has exited with all it started (one that a task is
+        still leaving goes at the next clear_slot)."""
+        cgroup, child.cgroup = child.cgroup, None
+        if cgroup is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(cgroup.events)
+        cgroup.remove()
+
+    def on_out_of_memory(self, cgroup: WorkerCgroup) -> None:
+        """The kernel says a worker's processes asked for memory over the limit (they wait in the
+        kernel): kill the program now, before a process of it that still runs can send a result."""
+        if not cgroup.out_of_memory():
+            return
+        current, spare = self.current, self.spare
+        if current is not None and current.cgroup is cgroup:
+            self.kill(current, f"the zygote killed it: {cgroup.breach()}")
+        elif spare is not None and spare.cgroup is cgroup:
+            self.discard(spare)  # over the limit before any program: it cannot serve one
+            self.spare = None
 
     def announce_next(self) -> None:
         """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
@@ -267,6 +317,7 @@ class Zygote:
             os.waitpid(child.pid, 0)
         except ChildProcessError:
             pass
+        self.release_cgroup(child)
 
     def wait_for_event(self) -> None:
         """Handle what happens next: a command, a worker's exit, a watchdog sample."""
@@ -279,6 +330,8 @@ class Zygote:
         for key, _ in self.selector.select(timeout=timeout):
             if key.data == "commands":
                 self.read_commands()
+            elif isinstance(key.data, WorkerCgroup):
+                self.on_out_of_memory(key.data)
             else:
                 self.on_exit(key.data)
         for child in self.children():
@@ -312,11 +365,16 @@ class Zygote:
         close_go(child)
         if child is self.spare:
             self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
+            self.release_cgroup(child)
             return
         # Everything below us now but the spare is what the program left (we are the subreaper,
         # and children it made with CLONE_PARENT are ours from the start): kill all of it before
         # saying "exited".
         leftovers = processes.kill_descendants(os.getpid(), spare=self.spared())
+        if child.cgroup is not None and not child.kill_reason and child.cgroup.out_of_memory():
+            # Over the limit at its very end, after its event was last read: said all the same.
+            child.kill_reason = child.cgroup.breach()
+        self.release_cgroup(child)
         self.current = None
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
@@ -477,7 +535,11 @@ def _kill_group(pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     settings = ZygoteSettings.from_argv(argv)
-    close_inherited_descriptors()
+    # The slot's memory cgroup, the one descriptor the broker passes on purpose: kept, at the first
+    # inherited number (a worker's own close, which keeps only its go pipe there, closes it).
+    close_inherited_descriptors(keep=settings.memory_cgroup_fd)
+    if settings.memory_cgroup_fd is not None:
+        settings = dataclasses.replace(settings, memory_cgroup_fd=FIRST_INHERITED_FD)
     zygote = Zygote(
         settings,
         eager_cuda=settings.cuda_context == "eager" and eager_cuda_possible(settings.gpu),
