@@ -55,6 +55,8 @@ class FakeNvml:
         self.clock = 1980
         self.reasons = 0
         self.script: list[tuple[int, int]] = []  # (clock, reasons) per reading, then the fixed ones
+        self.running: set[int] | None = None  # NVML's processes with a context, and those sampled busy
+        self.busy: dict[int, int] | None = None
 
     def sm_clock_mhz(self) -> int:
         return self.script[0][0] if self.script else self.clock
@@ -80,10 +82,10 @@ class FakeNvml:
         return 120.0
 
     def running_pids(self) -> set[int] | None:
-        return None
+        return self.running
 
     def busy_pids(self, since_us: int) -> dict[int, int] | None:
-        return None
+        return self.busy
 
 
 @pytest.fixture
@@ -303,3 +305,45 @@ def test_a_thermal_slowdown_is_left_out_even_at_a_steady_clock(gpu: tuple[Script
     )
     assert result["clock"]["samples_used"] == 0 and result["clock"]["samples_left_out"]["throttled"] > 0
     assert result["integrity"]["verdict"] == "suspect" and result["verdict"] == "unclear"
+
+
+OWN, SPARE, GONE, STRANGER = 5000, 5001, 5002, 4242
+
+
+@pytest.mark.parametrize("timer", ["benchmark", "compare"])
+def test_the_lease_s_idle_processes_are_not_contention_and_a_stranger_is(
+    gpu: tuple[ScriptedTracer, FakeNvml], timer: str
+) -> None:
+    """issue 21: beside contexts made ahead, NVML samples the slot's spare (making its context) and
+    an exited holder busy during an honest measurement. Named by the lease's GRANT, they leave the
+    verdict ``ok``; a busy process the service knows nothing of still makes it ``suspect``."""
+    from kcoral.builtins import benchmark
+
+    tracer, nvml = gpu
+    a = kernel(tracer, 500_000)
+
+    def judged() -> dict[str, Any]:
+        if timer == "benchmark":
+            return benchmark(a, torch.ones(256), config={"clock_warmup_ms": 0, "repeat": 16})
+        return compare(a, a, torch.ones(256), config=FAST)
+
+    nvml.running = {OWN, SPARE}  # the exited holder has no context any more
+    nvml.busy = {OWN: 40, SPARE: 12, GONE: 38}
+    unnamed = judged()  # without the lease's word (as before): three busy pids, ours unknown
+    assert unnamed["integrity"]["verdict"] == "suspect"
+    trust.note_grant({"own": OWN, "idle": [SPARE], "exited": [GONE]})
+    honest = judged()
+    assert honest["integrity"] == {"verdict": "ok", "reasons": []}, honest["integrity"]
+    seen = honest["integrity_details"]["gpu_processes"]
+    assert seen["excused"] == {str(SPARE): "idle spare", str(GONE): "exited holder"} and seen["own"] == OWN
+    if timer == "compare":
+        assert honest["verdict"] == "same"
+
+    nvml.running = {OWN, SPARE, STRANGER}
+    nvml.busy = {OWN: 40, SPARE: 12, STRANGER: 60}
+    crowded = judged()
+    assert crowded["integrity"]["verdict"] == "suspect"
+    (reason,) = [r for r in crowded["integrity"]["reasons"] if "another process used the GPU" in r]
+    assert f"pid {STRANGER} (60% SM)" in reason and str(SPARE) not in reason
+    if timer == "compare":
+        assert crowded["verdict"] == "unclear"
