@@ -57,6 +57,8 @@ BROKER_READY=0
 
 finish() {
     stop_broker
+    echo "== digest" >>"$SUMMARY"
+    timeout 30 "$PY" benchmarks/gpu_evidence.py digest "$OUT" >>"$SUMMARY" 2>&1
     echo "== done after ${SECONDS}s" | tee -a "$SUMMARY"
     pack
 }

@@ -2,6 +2,10 @@
 
     python3 benchmarks/gpu_evidence.py remote-honest --url URL [--runs 10] [--in-process 3] [--json out.json]
     python3 benchmarks/gpu_evidence.py busy-service --url URL [--runs 3] [--busy-seconds 40] [--json out.json]
+    python3 benchmarks/gpu_evidence.py digest FOLDER
+
+``digest`` prints the counts that the issues ask for from the JSON files the batch wrote in FOLDER
+(``suspect-rate.json``, ``busy-service.json``, ``compare.json``, ``remote-honest.json``), one line each.
 
 ``remote-honest`` (issue 20): the honest candidate of each workload (``add``, ``matmul`` of the
 examples, ``small_mlp`` of the remote attacks) through ``kcoral remote``, ``--runs`` times, the
@@ -225,6 +229,56 @@ def busy_service(args: argparse.Namespace) -> int:
     return 0 if rows and faster == 0 else 1
 
 
+def _load(folder: Path, name: str) -> Any:
+    try:
+        return json.loads((folder / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def digest(folder: Path) -> int:
+    """One line per part: what the issues' "It must show" lists count."""
+    timing = _load(folder, "suspect-rate.json")
+    if isinstance(timing, dict):
+        rows = timing.get("workloads", {})
+        ok = sum(row.get("ok_programs", 0) for row in rows.values())
+        total = sum(len(row.get("medians_ms", [])) for row in rows.values())
+        excused: dict[str, int] = {}
+        for row in rows.values():
+            for report in row.get("reports", []):
+                seen = ((report.get("integrity_details") or {}).get("gpu_processes") or {}).get("excused") or {}
+                for why in seen.values():
+                    excused[why] = excused.get(why, 0) + 1
+        reasons = [r for row in rows.values() for r in row.get("suspect_reasons", [])]
+        print(f"issue 21 honest benchmark() beside contexts made ahead: {ok} of {total} ok "
+              f"(failed programs: {len(timing.get('failures', []))}); busy pids left out: {excused}; "
+              f"suspect reasons: {reasons}")
+    busy = _load(folder, "busy-service.json")
+    if isinstance(busy, list):
+        verdicts = [(row.get("verdict"), row.get("integrity")) for row in busy]
+        print(f"issue 22 busy GPU (outside process) through the service: {verdicts}")
+    compared = _load(folder, "compare.json")
+    if isinstance(compared, dict):
+        self_rows, more, matmul = (compared.get(k, []) for k in ("self_16m_add", "add_1.03x", "matmul_1.5x"))
+        counts = {
+            "self_same": f"{sum(r['verdict'] == 'same' for r in self_rows)}/{len(self_rows)}",
+            "self_holds_1": f"{sum(bool(r['contains_one']) for r in self_rows)}/{len(self_rows)}",
+            "more_slower": f"{sum(r['verdict'] == 'slower' and r['ratio_low'] > 1 for r in more)}/{len(more)}",
+            "matmul_slower": f"{sum(r['verdict'] == 'slower' for r in matmul)}/{len(matmul)}",
+            "matmul_within_2pct": f"{sum(abs(r.get('ratio_vs_apart', 1)) <= 0.02 for r in matmul)}/{len(matmul)}",
+            "matmul_power_capped": [r.get("power_capped") for r in matmul],
+            "matmul_rounds_clock_apart": [r.get("rounds_clock_apart") for r in matmul],
+            "matmul_clock_by_side": [r.get("sm_clock_mhz_by_side") for r in matmul],
+            "busy_faster": sum(r["verdict"] == "faster" for r in compared.get("busy_gpu", [])),
+        }
+        print(f"issue 22 compare(): {json.dumps(counts)}")
+    honest = _load(folder, "remote-honest.json")
+    if isinstance(honest, dict):
+        for workload, line in (honest.get("table") or {}).items():
+            print(f"issue 20 remote honest {workload}: {line}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -234,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     busy = sub.add_parser("busy-service", help="compare() programs beside a process outside KCoral")
     busy.add_argument("--runs", type=int, default=3)
     busy.add_argument("--busy-seconds", type=float, default=40.0)
-    for part in (honest, busy):
+    for part in (honest, busy):  # digest's parser is added below
         part.add_argument("--url", required=True, help="tcp://HOST:PORT of a running broker")
         part.add_argument("--json", type=Path)
+    summary = sub.add_parser("digest", help="the counts of the JSON files a batch wrote")
+    summary.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
+    if args.what == "digest":
+        return digest(args.folder)
     return remote_honest(args) if args.what == "remote-honest" else busy_service(args)
 
 

@@ -50,6 +50,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
             "reasons": report["integrity"]["reasons"][:3],
             "temperature_c": (report["conditions_before"] or {}).get("temperature_c"),
             "sm_clock_mhz": report["clock"]["sm_clock_mhz_median"],
+            "sm_clock_mhz_by_side": report["clock"].get("sm_clock_mhz_median_by_side"),
+            "power_capped": report["clock"].get("samples_power_capped"),
+            "rounds_clock_apart": report.get("rounds_clock_apart"),
             "measure_ms": report["stop"]["measure_ms"],
         }
     )
