@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from kcoral import protocol
-from kcoral.broker.blobs import BlobStore, BlobStoreSettings
-from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings, ProgramIntake
+from kcoral.broker.blobs import BlobStore
+from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, ProgramIntake
 from kcoral.broker.launch import slot_specs
 from kcoral.broker.leases import LeaseTable, choose_gpus
 from kcoral.broker.provenance import Provenance
@@ -69,15 +69,7 @@ class Broker:
             # Workers read large blobs from the disk tier, so there always is one.
             settings = dataclasses.replace(settings, cache_dir=self.run_dir / "cache")
             self.settings = settings
-        cache_dir = settings.cache_dir
-        self.blobs = BlobStore(
-            BlobStoreSettings(
-                memory_bytes=settings.cache_bytes,
-                disk_dir=cache_dir,
-                disk_bytes=settings.cache_disk_bytes,
-                disk_writable_by_others=settings.sandbox != "bubblewrap",
-            )
-        )
+        self.blobs = BlobStore(settings.blob_store())
         self.metrics = ServiceMetrics("broker", self.health)
         self.shell: ServiceShell[Request] = ServiceShell(
             "broker",
@@ -96,15 +88,7 @@ class Broker:
         self.target_wire = self.target.to_wire()
         self.provenance = Provenance(self.target, self.versions, settings.sandbox, self.hostname, self.instance_id)
         self.intake = ProgramIntake(
-            IntakeSettings(
-                gpu_count=len(self.gpu_ids),
-                max_queued=settings.max_queued,
-                max_request_bytes=settings.max_request_bytes,
-                negotiation_timeout_seconds=settings.negotiation_timeout_seconds,
-                blob_path_min_bytes=settings.blob_path_min_bytes,
-                sandboxed=settings.sandbox == "bubblewrap",
-                max_queued_per_client=settings.client_queue_limit,
-            ),
+            settings.intake(len(self.gpu_ids)),
             blobs=self.blobs,
             requests=self.requests,
             tasks=self.shell.tasks,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kcoral import protocol
-from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS
+from kcoral.broker.blobs import BlobStoreSettings
+from kcoral.broker.intake import NEGOTIATION_TIMEOUT_SECONDS, IntakeSettings
 from kcoral.keys import ClientKeys
 from kcoral.service.auth import ServerSecurity
 from kcoral.service.fairness import ORPHAN_GRACE_SECONDS, client_queue_limit, upload_bounds
@@ -142,6 +143,27 @@ class BrokerSettings:
     def upload_bounds(self) -> tuple[int, int]:
         """(in all, per client) bytes of uploads in progress."""
         return upload_bounds(self.max_request_bytes, self.max_upload_bytes, self.max_upload_bytes_per_client)
+
+    def blob_store(self) -> BlobStoreSettings:
+        """The blob store's part of these settings (the broker sets ``cache_dir`` where it is None)."""
+        return BlobStoreSettings(
+            memory_bytes=self.cache_bytes,
+            disk_dir=self.cache_dir,
+            disk_bytes=self.cache_disk_bytes,
+            disk_writable_by_others=self.sandbox != "bubblewrap",
+        )
+
+    def intake(self, gpu_count: int) -> IntakeSettings:
+        """Intake's part of these settings, on a host of ``gpu_count`` GPUs."""
+        return IntakeSettings(
+            gpu_count=gpu_count,
+            max_queued=self.max_queued,
+            max_request_bytes=self.max_request_bytes,
+            negotiation_timeout_seconds=self.negotiation_timeout_seconds,
+            blob_path_min_bytes=self.blob_path_min_bytes,
+            sandboxed=self.sandbox == "bubblewrap",
+            max_queued_per_client=self.client_queue_limit,
+        )
 
     # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
