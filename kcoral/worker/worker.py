@@ -86,6 +86,7 @@ def execute_program(
     socket_lock: threading.Lock | None = None,
     wipe_later: list[Callable[[], None]] | None = None,
     directories: RunDirectory | None = None,
+    output_follower: OutputFollower | None = None,
 ) -> ExecutionOutcome:
     """Execute one PROGRAM message in a fresh directory under ``workspace``; always clean up.
 
@@ -112,7 +113,11 @@ def execute_program(
     interpreter = Interpreter(request, blobs, run_dir, lease, progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
     capture = OutputCapture(run_dir / "output", output_limit)
-    follower = OutputFollower(capture, follow_output) if follow_output is not None else contextlib.nullcontext()
+    following: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if follow_output is not None:
+        output_follower = output_follower or OutputFollower()
+        output_follower.start()  # the worker's thread, before the threads of the program are told apart
+        following = output_follower.following(capture, follow_output)
     threads_before = set(threading.enumerate())
     start = time.monotonic()
     try:
@@ -135,7 +140,7 @@ def execute_program(
         # The output follower's thread starts before the timer is armed: benchmark() counts the
         # threads started after arming as the program's, and this one is the worker's own.
         seeds.forget()
-        with follower:
+        with following:
             # Before any uploaded code runs: the zygote armed the timer (see kcoral.timing.trust);
             # the threads alive now are the worker's own, not the program's.
             arm_timer()
@@ -238,6 +243,8 @@ def run_worker(settings: WorkerSettings) -> int:
             context.term()
             results.term()
             return 0
+    follower = OutputFollower()  # the live output of every program of this worker
+    follower.start()
     ready_body: dict[str, Any] = {"slot": settings.slot, "pid": os.getpid(), "gpu": settings.gpu}
     if cuda_view is not None:
         ready_body["gpu_view"] = cuda_view
@@ -276,7 +283,7 @@ def run_worker(settings: WorkerSettings) -> int:
             processes.set_dumpable(True)
             wipe_later: list[Callable[[], None]] = []
             try:
-                outcome = _execute_message(body, data, settings, socket, wipe_later, directories)
+                outcome = _execute_message(body, data, settings, socket, wipe_later, directories, follower)
             except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
                 outcome = ExecutionOutcome(
                     failed_body(str(body.get("request_id", "")), "runtime", f"the worker failed: {exc!r}"),
@@ -430,6 +437,7 @@ def _execute_message(
     socket: zmq.Socket[bytes],
     wipe_later: list[Callable[[], None]] | None = None,
     directories: RunDirectory | None = None,
+    follower: OutputFollower | None = None,
 ) -> ExecutionOutcome:
     request_id = str(body.get("request_id", ""))
     try:
@@ -477,6 +485,7 @@ def _execute_message(
             socket_lock=lock,
             wipe_later=wipe_later,
             directories=directories,
+            output_follower=follower,
         )
         error = outcome.body.get("error")
         if isinstance(error, dict) and error.get("kind") == "response_too_large":
