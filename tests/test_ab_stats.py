@@ -125,7 +125,10 @@ def test_block_orders() -> None:
 def test_samples_left_out_by_clock() -> None:
     assert sample_left_out(1980, 0, 1485.0) is None
     assert sample_left_out(1980, 0x1, 1485.0) is None  # idle is a state, not a slowdown
-    assert sample_left_out(1980, 0x4, 1485.0) == "throttled"  # software power cap
+    assert sample_left_out(1980, 0x4, 1485.0) is None  # the power cap alone: a steady GEMM's state
+    assert sample_left_out(1400, 0x4, 1485.0) == "below_clock_floor"  # capped under the floor
+    assert sample_left_out(1980, 0x4 | 0x20, 1485.0) == "throttled"  # software thermal slowdown
+    assert sample_left_out(1980, 0x8, 1485.0) == "throttled"  # hardware slowdown
     assert sample_left_out(1400, 0, 1485.0) == "below_clock_floor"
     assert sample_left_out(None, None, 1485.0) is None and sample_left_out(1400, 0, None) is None
 
