@@ -172,6 +172,50 @@ def test_partial_frames_of_raw_peers_hold_at_most_a_frame_each(broker_factory: B
     assert growth < 64 << 20, f"frames held whole: {growth >> 20} MiB"
 
 
+def closed_by_peer(peer: socket.socket, timeout_s: float = 5.0) -> bool:
+    """Whether the service ends ``peer``'s connection within ``timeout_s`` (reads to its end)."""
+    peer.settimeout(timeout_s)
+    try:
+        while peer.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True  # reset
+    return True
+
+
+def test_connections_per_address_are_capped(broker_factory: BrokerFactory) -> None:
+    """With --max-connections-per-address 4, 4 raw peers from the loopback each hold all but the
+    last byte of a frame at the limit; a 5th connection is shut at once, and a client too while
+    they hold, and HEALTH counts the refusals; once 2 peers go, a client is served again."""
+    broker = broker_factory("--workers", "1", "--max-connections-per-address", "4")
+    host, port = broker.url.removeprefix("tcp://").rsplit(":", 1)
+    almost = protocol.DEFAULT_MAX_FRAME_BYTES
+    peers = [raw_zmtp_peer(host, int(port)) for _ in range(3)]  # the 4th: the health check's own
+    try:
+        for peer in peers:
+            peer.sendall(struct.pack(">BQ", 0x02, almost) + bytes(almost - 1))
+        with Client(broker.url) as client:  # the 4th connection
+            assert client.health()["connections"]["held"] == 4
+            peers.append(raw_zmtp_peer(host, int(port)))  # the 5th
+            assert closed_by_peer(peers[-1]), "a 5th connection from the loopback was kept"
+            assert client.health()["connections"]["refused"] == 1
+        peers.append(raw_zmtp_peer(host, int(port)))
+        peers[-1].sendall(struct.pack(">BQ", 0x02, almost) + bytes(almost - 1))
+        with pytest.raises(KCoralError):  # over the cap: its connection is shut, it never hears back
+            with Client(broker.url, connect_timeout_seconds=2.0) as client:
+                client.health()
+        for peer in peers[:2]:
+            peer.close()
+        time.sleep(0.5)
+        with Client(broker.url) as client:
+            assert client.execute(Program()).status == "COMPLETED"
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 def test_the_router_bounds_upload_bytes_per_client(tmp_path: Path, broker_factory: BrokerFactory) -> None:
     router = start_router(tmp_path, "--max-upload-bytes-per-client", "1M")
     try:

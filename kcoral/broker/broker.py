@@ -464,6 +464,7 @@ class Broker:
             "gpu_count": len(self.gpu_ids),
             "fake_gpus": self.target.fake,
             "frame_bytes": self.settings.max_frame_bytes,
+            "connections": self.shell.connections.describe(),
             "load": {
                 "request_capacity": len(self.supervisor.slots),
                 "requests_in_progress": running,

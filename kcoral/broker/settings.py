@@ -167,6 +167,7 @@ class BrokerSettings:
 
     # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
+    max_connections_per_address: int = 0  # kcoral.service.connections; 0: no cap
 
 
 def resolve(settings: BrokerSettings) -> BrokerSettings:

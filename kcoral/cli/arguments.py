@@ -242,6 +242,17 @@ def add_upload_bounds(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_connection_cap(parser: argparse.ArgumentParser) -> None:
+    """How many TCP connections one peer address may hold, the same for broker and router."""
+    parser.add_argument(
+        "--max-connections-per-address",
+        type=non_negative,
+        default=0,
+        help="TCP connections one peer address may hold to the client socket (the loopback: all local "
+        "clients together); each can hold an unfinished frame of --max-frame-bytes; 0: no cap (the default)",
+    )
+
+
 def add_metrics_listen(parser: argparse.ArgumentParser) -> None:
     """The Prometheus endpoint, the same for broker and router (kcoral/service/metrics.py)."""
     parser.add_argument(

@@ -30,6 +30,7 @@ from kcoral.cli.arguments import (
     HelpFormatter,
     absolute_path,
     add_access_arguments,
+    add_connection_cap,
     add_max_request_bytes,
     add_metrics_listen,
     add_upload_bounds,
@@ -206,6 +207,7 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     add_access_arguments(broker)
     add_upload_bounds(broker)
+    add_connection_cap(broker)
     add_metrics_listen(broker)
     name_values(broker)
     broker.set_defaults(run=run_broker)

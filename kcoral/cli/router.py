@@ -7,6 +7,7 @@ import argparse
 from kcoral.cli.arguments import (
     HelpFormatter,
     add_access_arguments,
+    add_connection_cap,
     add_max_request_bytes,
     add_metrics_listen,
     add_upload_bounds,
@@ -41,6 +42,7 @@ def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_max_request_bytes(router)
     add_access_arguments(router, nodes=True)
     add_upload_bounds(router)
+    add_connection_cap(router)
     add_metrics_listen(router)
     name_values(router)
     router.set_defaults(run=run_router)

@@ -45,6 +45,7 @@ class SharedSettings(TypedDict):
     max_queued_per_client: int | None
     orphan_grace_seconds: float
     metrics_listen: str | None
+    max_connections_per_address: int
 
 
 # The flag a shared field is read from, where the flag's name is not the field's.

@@ -406,6 +406,7 @@ class Router:
             "gpu_count": sum(n.gpu_count for n in live),
             "fake_gpus": sum(n.fake_gpus for n in live),
             "frame_bytes": self.settings.max_frame_bytes,
+            "connections": self.shell.connections.describe(),
             "load": {
                 "request_capacity": sum(n.capacity for n in live),
                 "requests_in_progress": sum(n.load.get("requests_in_progress", 0) for n in live),

@@ -32,6 +32,7 @@ class RouterSettings:
     orphan_grace_seconds: float = ORPHAN_GRACE_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
+    max_connections_per_address: int = 0  # kcoral.service.connections; 0: no cap
     # Bytes of uploads passing through to the nodes (programs still negotiating their blobs),
     # bounded as the broker's are; None: twice max_request_bytes in all, max_request_bytes per client.
     max_upload_bytes: int | None = None

@@ -40,6 +40,7 @@ import zmq.asyncio
 from kcoral import protocol
 from kcoral.service import auth
 from kcoral.service.auth import peer_identity
+from kcoral.service.connections import ConnectionCap
 from kcoral.service.fairness import RateLimit
 from kcoral.service.metrics import MetricsServer, ServiceMetrics
 from kcoral.service.sockets import receive_forever, router_socket, send_now
@@ -157,6 +158,9 @@ class ServiceSettings(Protocol):
     @property
     def metrics_listen(self) -> str | None: ...
 
+    @property
+    def max_connections_per_address(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class ShellSettings:
@@ -174,6 +178,8 @@ class ShellSettings:
     drain_seconds: float = SHUTDOWN_DRAIN_SECONDS
     # HOST:PORT of the Prometheus endpoint (kcoral/service/metrics.py), or None for none.
     metrics_listen: str | None = None
+    # TCP connections one peer address may hold (kcoral/service/connections.py); 0: no cap.
+    max_connections_per_address: int = 0
 
     @classmethod
     def of(cls, service: ServiceSettings) -> ShellSettings:
@@ -184,6 +190,7 @@ class ShellSettings:
             security=service.security,
             insecure_listen_any=service.insecure_listen_any,
             metrics_listen=service.metrics_listen,
+            max_connections_per_address=service.max_connections_per_address,
         )
 
 
@@ -220,6 +227,8 @@ class ServiceShell(Generic[RequestT]):
         self.metrics = metrics
         self._metrics_server: MetricsServer | None = None
         self._dispatching: bytes | None = None  # the command whose handler runs now
+        self.connections = ConnectionCap(settings.max_connections_per_address)
+        self._monitor: zmq.asyncio.Socket | None = None
 
     # --- lifecycle ---
 
@@ -269,8 +278,13 @@ class ServiceShell(Generic[RequestT]):
         }
         for option, value in options.items():
             self.clients.set(option, value)
+        if self._monitor is None:
+            self._monitor = self.connections.watch(self.clients)  # before a connection is accepted
+            if self._monitor is not None:
+                self.spawn(self.connections.run(self._monitor), name="connections")
         for endpoint in (self.settings.listen, *more_endpoints):
             self.clients.bind(endpoint)
+            self.connections.bound(str(self.clients.get_string(zmq.LAST_ENDPOINT)))
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
         """Run ``coroutine`` as one of the service's tasks (cancelled by :meth:`close`)."""
@@ -315,6 +329,10 @@ class ServiceShell(Generic[RequestT]):
     def terminate(self) -> None:
         """Close the client socket, any socket the service left open (with its own linger), and
         the context."""
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.clients.disable_monitor()
+            self._monitor.close(linger=0)
         self.clients.close(linger=0)
         self.context.destroy()
 
