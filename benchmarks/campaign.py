@@ -9,9 +9,10 @@ a shuffled mix of the kinds below, each with its goal; meanwhile raw ZMTP peers 
 frames (4 declaring 6 GiB frames, 4 holding all but a byte of a frame at the limit). At the end:
 one row per kind (count, outcomes, goal met), and the campaign's own rows: every program answered,
 no honest program lost or wrong, the broker alive and serving, no process of a program left below
-it, no lease held, every slot's workspace empty, and the broker's memory (RSS before, at its peak
-and after, with its blob cache's memory tier beside it: the tier is what holds memory between
-programs, bounded by ``--cache-bytes``). The exit status is 1 when any row misses its goal.
+it, no lease held, every slot's workspace empty, no memory cgroup left after the stop, and the
+broker's memory (RSS before, at its peak and after, with its blob cache's memory tier beside it:
+the tier is what holds memory between programs, bounded by ``--cache-bytes``). The exit status is
+1 when any row misses its goal.
 """
 
 from __future__ import annotations
@@ -371,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         slot_dirs = list(slots.iterdir()) if slots is not None and slots.exists() else []
         workspace_entries = sum(1 for slot in slot_dirs for p in slot.iterdir() if p.name != ".shm")
         alive = service.process.poll() is None and health["status"] == "ok"
+        accounting = health.get("memory_accounting") or {"kind": "unknown"}
     finally:
         code = service.stop()
+    # The memory cgroups of the workers and the broker's own directory, all gone after the stop.
+    cgroup = Path(accounting["cgroup"]) if accounting.get("cgroup") else None
+    cgroups_left = sum(1 for _ in cgroup.rglob("*") if _.is_dir()) + 1 if cgroup and cgroup.exists() else 0
 
     table = kinds(args.sandbox)
     honest = {k.name for k in table if k.honest}
@@ -398,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         "program_processes_left": leftovers,
         "leases_held": sum(1 for lease in health["leases"].values() if lease["holder"] is not None),
         "workspace_entries_left": workspace_entries,
+        "memory_accounting": accounting.get("kind"),
+        "memory_cgroups_left": cgroups_left,
         "rss_mib": {
             "before": round(rss_before / 2**20, 1),
             "with_raw_peers": round(rss_with_peers / 2**20, 1),
@@ -421,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         and leftovers == 0
         and summary["leases_held"] == 0
         and workspace_entries == 0
+        and cgroups_left == 0
     )
     return 0 if good else 1
 

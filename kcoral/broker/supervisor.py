@@ -331,6 +331,8 @@ class Supervisor:
         elif kind is ZygoteEvent.FORKED:
             state.worker = event_worker(event)
             state.worker_pid = event_int(event.get("pid"))
+            if event.get("memory_cgroup") is False:  # the watchdog's samples alone hold this one
+                log.warning("worker_without_memory_cgroup", slot=state.spec.slot, worker=state.worker)
             if state.spare == state.worker:
                 state.spare, state.spare_pid = None, None
             self.on_fork(state.spec.slot, state.worker)

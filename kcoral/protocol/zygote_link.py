@@ -51,7 +51,9 @@ class ZygoteEvent(StrEnum):
     """Zygote -> broker, ``{"event": ..., ...}``."""
 
     READY = "ready"  # pid (inside its sandbox), slot, eager_cuda: the zygote serves
-    FORKED = "forked"  # worker, pid: the slot's current worker; only it is given programs
+    # worker, pid: the slot's current worker; only it is given programs; memory_cgroup (only where
+    # the slot has memory cgroups): whether this worker is in one of its own.
+    FORKED = "forked"
     # worker: retired, and none of its processes holds a GPU device, or ("teardown": true, with
     # --gpu-handover quiet) none of them can run code any more, while its context is torn down.
     GPU_FREE = "gpu_free"

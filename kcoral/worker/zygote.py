@@ -278,7 +278,9 @@ class Zygote:
         self.current = child
         let_go(child)
         self.watchdog.program_may_start(time.monotonic())
-        emit(ZygoteEvent.FORKED, worker=child.identity, pid=child.pid)
+        # Where the slot has memory cgroups, whether this worker is in one (its making can fail).
+        cgroup = {"memory_cgroup": child.cgroup is not None} if self.cgroup_fd is not None else {}
+        emit(ZygoteEvent.FORKED, worker=child.identity, pid=child.pid, **cgroup)
         self.fork_spare_ahead()
 
     def fork_spare_ahead(self) -> None:
