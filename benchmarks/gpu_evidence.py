@@ -145,21 +145,33 @@ def remote_honest(args: argparse.Namespace) -> int:
                 row = remote(args.url, suite, workload)
                 summary["remote"].setdefault(workload, []).append(row)
                 log(f"remote {workload} run {run + 1}/{args.runs}: {row}")
+                tabulate(summary)
                 save(args.json, summary)
             if run == 0 and not any("cupti_ms" in rows[0] for rows in summary["remote"].values()):
                 log("no workload gave a report in the first round: the rest would fail the same way")
                 break
+    tabulate(summary)
     print("workload | runs | correct | ok | cupti ms (median, min-max) | bracket net ms | speedup min-max | "
-          "benchmark() ms | cupti vs benchmark() | within")
+          "benchmark() ms | in-process verdicts | cupti vs benchmark() | within")
+    for workload, line in summary["table"].items():
+        print(" | ".join(str(v) for v in (workload, *line.values())), flush=True)
+    save(args.json, summary)
+    return 0
+
+
+def tabulate(summary: dict[str, Any]) -> None:
+    """The table of ``remote-honest`` from its rows so far (kept in the JSON after every run, so a
+    run cut short still has it)."""
     summary["table"] = {}
     for workload in WORKLOADS:
         rows = summary["remote"].get(workload, [])
         cupti = [r["cupti_ms"] for r in rows if isinstance(r.get("cupti_ms"), float)]
         speedups = [r["speedup"] for r in rows if isinstance(r.get("speedup"), float)]
         nets = [r["bracket_net_ms"] for r in rows if isinstance(r.get("bracket_net_ms"), float)]
-        local = [r["latency_ms_median"] for r in summary["in_process"][workload] if "latency_ms_median" in r]
+        local_reports = summary["in_process"].get(workload, [])
+        local = [r["latency_ms_median"] for r in local_reports if "latency_ms_median" in r]
         against = statistics.median(cupti) / statistics.median(local) - 1 if cupti and local else None
-        line = {
+        summary["table"][workload] = {
             "runs": len(rows),
             "correct": sum(r.get("correct") is True for r in rows),
             "ok": sum(r.get("verdict") == "ok" for r in rows),
@@ -168,14 +180,10 @@ def remote_honest(args: argparse.Namespace) -> int:
             "bracket_net_ms_median": median(nets),
             "speedup_range": [min(speedups), max(speedups)] if speedups else None,
             "benchmark_ms_median": median(local),
-            "in_process_verdicts": [(r.get("integrity") or {}).get("verdict") for r in summary["in_process"][workload]],
+            "in_process_verdicts": [(r.get("integrity") or {}).get("verdict") for r in local_reports],
             "cupti_vs_benchmark": against,
             "within": against is not None and abs(against) <= AGREE[workload],
         }
-        summary["table"][workload] = line
-        print(" | ".join(str(v) for v in (workload, *line.values())), flush=True)
-    save(args.json, summary)
-    return 0
 
 
 BUSY_SOURCE = """
