@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psutil
 import pytest
 
 from kcoral import Client, Program
@@ -64,3 +65,8 @@ def test_each_grant_names_the_holder_its_spare_and_the_one_before(broker_factory
         if before["known"]["idle"]:
             assert before["known"]["idle"] == [after["known"]["own"]], (before, after)
     assert second["known"]["idle"], second  # by the second program the spare has long been forked
+    if third["known"]["idle"]:
+        # The host's pid (NVML's), not the sandbox's: a live process below this broker, right now.
+        (spare,) = third["known"]["idle"]
+        below = {child.pid for child in psutil.Process(broker.process.pid).children(recursive=True)}
+        assert spare in below, (spare, sorted(below))
