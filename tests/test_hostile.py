@@ -7,7 +7,9 @@ program over an abstract Unix socket, and leave a POSIX message queue for the ne
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import textwrap
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,6 +185,28 @@ def test_memory_cgroups_leave_honest_programs_and_nothing_behind(
     finally:
         assert running.stop() == 0, running.log()
     assert not base.exists(), list(base.rglob("*"))[:5]
+
+
+def test_memory_cgroups_of_a_killed_broker_go_with_the_next_one(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A broker killed with SIGKILL runs no stop: the next broker started below the same cgroup
+    removes its directory, once no process of its workers is left in it."""
+    work = tmp_path_factory.mktemp("cgroups-killed")
+    killed = start_broker(work, "--sandbox", "none", *FLAGS)
+    base = memory_cgroups_of(killed)
+    if base is None:
+        killed.stop()
+        pytest.skip(f"no memory cgroup here: {killed.health()['memory_accounting']}")
+    assert killed.stop(signal.SIGKILL) != 0
+    deadline = time.monotonic() + 10.0
+    while any((d / "cgroup.procs").read_text() for d in [base, *base.rglob("*")] if d.is_dir()):
+        assert time.monotonic() < deadline, "the killed broker's workers are still alive"
+        time.sleep(0.1)
+    assert base.exists()
+    after = start_broker(work, "--sandbox", "none", *FLAGS)
+    try:
+        assert not base.exists(), list(base.rglob("*"))[:5]
+    finally:
+        assert after.stop() == 0, after.log()
 
 
 REACH_CGROUP = """

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ PROCS_FILE = "cgroup.procs"
 # cgroup a moment after the parent has reaped it).
 REMOVE_TRIES = 50
 REMOVE_PAUSE_SECONDS = 0.02
+BROKER_DIRECTORY = re.compile(r"kcoral-(\d+)-[0-9a-f]{8}")  # kcoral-PID-TOKEN
 
 
 class CgroupUnavailable(RuntimeError):
@@ -132,6 +134,7 @@ class SlotCgroups:
             return cls(reason="no memory limit (--memory-limit 0)")
         try:
             own = memory_v1_directory()
+            remove_dead_brokers(own)
             base = own / f"kcoral-{os.getpid()}-{secrets.token_hex(4)}"
             base.mkdir()
         except (CgroupUnavailable, OSError) as exc:
@@ -249,6 +252,35 @@ class WorkerCgroup:
         return True
 
 
+def remove_dead_brokers(parent: Path) -> None:
+    """Remove what brokers that were killed (SIGKILL: no stop of theirs ran) left in ``parent``:
+    the directories of brokers whose process is gone, once no task is left in them."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        found = BROKER_DIRECTORY.fullmatch(entry.name)
+        if found is None or not entry.is_dir() or _alive(int(found.group(1))):
+            continue
+        for directory in sorted(entry.rglob("*"), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                if directory.is_dir():
+                    directory.rmdir()
+        with contextlib.suppress(OSError):
+            entry.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def remove_leftovers(slot_fd: int, keep: set[str]) -> None:
     """Remove the worker cgroups of the slot but ``keep`` that no process holds any more (those of
     a zygote that died, or whose removal found a task still leaving)."""
@@ -262,4 +294,11 @@ def remove_leftovers(slot_fd: int, keep: set[str]) -> None:
                 os.rmdir(name, dir_fd=slot_fd)
 
 
-__all__ = ["CgroupUnavailable", "SlotCgroups", "WorkerCgroup", "memory_v1_directory", "remove_leftovers"]
+__all__ = [
+    "CgroupUnavailable",
+    "SlotCgroups",
+    "WorkerCgroup",
+    "memory_v1_directory",
+    "remove_dead_brokers",
+    "remove_leftovers",
+]
