@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = sub.add_parser("digest", help="the counts of the JSON files a batch wrote")
     summary.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
+    # A time limit's SIGTERM ends the run through its finally blocks: the outside process goes too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.what == "digest":
         return digest(args.folder)
     return remote_honest(args) if args.what == "remote-honest" else busy_service(args)
