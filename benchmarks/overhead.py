@@ -329,8 +329,17 @@ def against(args: argparse.Namespace) -> int:
 
 def router_hop(args: argparse.Namespace) -> int:
     """The constant program's p50 and the rate with N in flight, directly and through the router."""
-    with routed_broker(*args.broker_flags.split()) as (router_url, direct_url):
-        rows, rates = alternate(args, {"direct": (direct_url, None), "router": (router_url, None)})
+    urls = {"direct": "", "router": ""}
+    wire: dict[str, list[float]] = {name: [] for name in urls}  # client -> broker and back, per program
+    with routed_broker(*args.broker_flags.split()) as (urls["router"], urls["direct"]):
+        rows, rates = alternate(args, {name: (url, None) for name, url in urls.items()})
+        # The hop alone, without the fresh worker's noise: the client -> broker and broker ->
+        # client phases of each program (its broker's timeline), alternated round by round too.
+        for index in range(args.rounds):
+            for name in list(urls)[:: -1 if index % 2 else 1]:
+                samples = phases(urls[name], max(1, args.requests // args.rounds))
+                ways = zip(samples["client -> broker (EXECUTE read)"], samples["broker -> client (FINAL read)"])
+                wire[name] += [there + back for there, back in ways]
     print_table(
         f"The router's hop ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
         [
@@ -344,8 +353,11 @@ def router_hop(args: argparse.Namespace) -> int:
         rows,
     )
     hop, ratio = rows[1][2] - rows[0][2], rows[1][4] / rows[0][4]
+    direct, routed = (float(np.median(wire[name])) for name in urls)
+    print(f"\nclient -> broker -> client (the EXECUTE's way there and the FINAL's back), p50: direct {direct:.3f} ms,")
+    print(f"through the router {routed:.3f} ms: the hop adds {routed - direct:+.3f} ms")
     print(f"\nrouter - direct: p50 {hop:+.3f} ms; {args.in_flight} in flight {ratio:.3f}x")
-    save_json(args.json, {"rows": rows, "rates": rates, "machine": machine()})
+    save_json(args.json, {"rows": rows, "rates": rates, "wire_ms": wire, "machine": machine()})
     return 0
 
 
