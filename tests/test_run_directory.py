@@ -18,8 +18,8 @@ from kcoral.worker.run_directory import SUBDIRECTORIES, RunDirectory
 FS_NODUMP_FL = 0x40  # chattr +d: an inode flag a file's owner may set
 
 
-def state(run_dir: Path) -> dict[str, tuple[int, int, list[str], dict[str, bytes], int | None]]:
-    """Each directory's inode, mode, entries, extended attributes and flags."""
+def state(run_dir: Path) -> dict[str, tuple[int, int, list[str], dict[str, bytes], int | None, int]]:
+    """Each directory's inode, mode, entries, extended attributes, flags and modification time."""
     found = {}
     for name in ("", *SUBDIRECTORIES):
         path = run_dir / name
@@ -30,6 +30,7 @@ def state(run_dir: Path) -> dict[str, tuple[int, int, list[str], dict[str, bytes
             sorted(os.listdir(path)),
             run_directory._xattrs(path),
             run_directory._flags(path),
+            info.st_mtime_ns,
         )
     return found
 
@@ -98,7 +99,7 @@ def test_a_subdirectory_replaced_means_new_directories(tmp_path: Path, replace: 
     directories.make(tmp_path / "run-second")
     now = state(tmp_path / "run-second")
     # (made anew: ext4 may give them the inode numbers it just freed)
-    assert {name: entry[1:] for name, entry in now.items()} == {name: entry[1:] for name, entry in made.items()}
+    assert {name: entry[1:5] for name, entry in now.items()} == {name: entry[1:5] for name, entry in made.items()}
 
 
 def test_a_last_program_keeps_nothing(tmp_path: Path) -> None:

@@ -16,10 +16,11 @@ same entries, names and contents as new ones.
 A directory is kept only while it is still the one made (same inode, a directory, not a link, same
 owner), and only once its mode, its extended attributes (ACLs among them: a default ACL would reach
 every file the next program makes) and its inode flags (``chattr``'s: a synchronous-updates flag
-would slow every later write) are back to what they were when made. Anything else, or anything
-that cannot be emptied, and the whole workspace is wiped as before, the next program getting new
-directories. What a kept directory still shows is its inode number and its timestamps: within one
-worker, whose programs are one client's (a session) or the operator's choice of reuse.
+would slow every later write) and its access and modification times are back to what they were
+when made. Anything else, or anything that cannot be emptied, and the whole workspace is wiped as
+before, the next program getting new directories. What a kept directory still shows is its inode
+number and a change time of the wipe's: within one worker, whose programs are one client's (a
+session) or, with ``--max-programs-per-worker``, the operator's choice of one process for several.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class _Made:
     uid: int
     gid: int
     mode: int
+    times_ns: tuple[int, int]  # access and modification
     xattrs: dict[str, bytes]
     flags: int | None  # None: the filesystem has no inode flags
 
@@ -76,16 +78,17 @@ class RunDirectory:
         if kept is not None and kept != run_dir:
             try:
                 os.rename(kept, run_dir)
+                # (ext4 stamps a renamed directory's modification time)
+                os.utime(run_dir, ns=self._made[""].times_ns, follow_symlinks=False)
             except OSError:
                 workspace_files.wipe(self.workspace)
                 kept = None
         if kept is None:
             self._made = {}
         for name in ("", *SUBDIRECTORIES):
-            path = run_dir / name
-            path.mkdir(parents=True, exist_ok=True)
-            if keep and name not in self._made:
-                self._made[name] = _describe(path)
+            (run_dir / name).mkdir(parents=True, exist_ok=True)
+        if keep and not self._made:  # as made, once all are (each subdirectory changes the run directory)
+            self._made = {name: _describe(run_dir / name) for name in ("", *SUBDIRECTORIES)}
 
     def wipe(self, run_dir: Path) -> None:
         """Empty the slot's workspace after the program that ran in ``run_dir``, keeping that
@@ -138,13 +141,15 @@ def _describe(path: Path) -> _Made:
         uid=now.st_uid,
         gid=now.st_gid,
         mode=stat.S_IMODE(now.st_mode),
+        times_ns=(now.st_atime_ns, now.st_mtime_ns),
         xattrs=_xattrs(path),
         flags=_flags(path),
     )
 
 
 def _put_back(path: Path, made: _Made) -> bool:
-    """Give ``path`` the extended attributes, inode flags and mode it was made with; whether it has them."""
+    """Give ``path`` the extended attributes, inode flags, mode and times it was made with; whether
+    it has them."""
     xattrs = _xattrs(path)
     if xattrs != made.xattrs:
         for name in xattrs.keys() - made.xattrs.keys():
@@ -163,7 +168,9 @@ def _put_back(path: Path, made: _Made) -> bool:
             return False
     if stat.S_IMODE(os.lstat(path).st_mode) != made.mode:
         os.chmod(path, made.mode)
-    return stat.S_IMODE(os.lstat(path).st_mode) == made.mode
+    os.utime(path, ns=made.times_ns, follow_symlinks=False)
+    now = os.lstat(path)
+    return stat.S_IMODE(now.st_mode) == made.mode and (now.st_atime_ns, now.st_mtime_ns) == made.times_ns
 
 
 def _xattrs(path: Path) -> dict[str, bytes]:
