@@ -206,14 +206,18 @@ class WorkerCgroup:
     def join(self, pid: int) -> None:
         _write(self.fd, PROCS_FILE, str(pid))
 
-    def out_of_memory(self) -> bool:
-        """Whether its processes asked for memory over the limit since the last call (the eventfd's
-        count), or one is stopped there now."""
+    def oom_events(self) -> int:
+        """How often its processes asked for memory over the limit since the last read (the
+        eventfd's count)."""
         try:
-            count = os.eventfd_read(self.events)
-        except (BlockingIOError, OSError):
-            count = 0
-        if count:
+            return os.eventfd_read(self.events)
+        except OSError:  # BlockingIOError: none
+            return 0
+
+    def out_of_memory(self) -> bool:
+        """Whether its processes asked for memory over the limit since the last call, or one is
+        stopped there now."""
+        if self.oom_events():
             return True
         try:
             return "under_oom 1" in _read(self.fd, OOM_CONTROL_FILE)

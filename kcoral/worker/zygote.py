@@ -135,6 +135,11 @@ class Zygote:
         # in it, held to the memory limit by the kernel (kcoral.worker.memory_cgroup).
         memory_limit = settings.limits.get("memory_bytes") or 0
         self.cgroup_fd = settings.memory_cgroup_fd if memory_limit else None
+        # Those of workers that have exited, removed once the next worker is announced (off the way
+        # from one program's end to the next one's worker); one a task still leaves stays a while.
+        self.retired_cgroups: list[WorkerCgroup] = []
+        # A zygote that died may have left cgroups in the slot: looked for at the first clear_slot.
+        self.cgroups_unchecked = True
 
     def serve(self) -> int:
         preload_for_workers(self.settings.preload)
@@ -165,20 +170,23 @@ class Zygote:
                     )
                 self.clear_slot()
                 self.announce_next()
+                self.remove_retired_cgroups()
             self.wait_for_event()
         for child in self.children():
             self.kill(child, "")
         while self.current is not None or self.spare is not None:
             self.wait_for_event()
         self.clear_slot()
+        self.remove_retired_cgroups()
         return 0
 
     def clear_slot(self) -> None:
         """Empty what a program can leave in the slot: its workspace, System V IPC objects and
         (inside the sandbox) keys and POSIX message queues."""
         workspace.wipe(self.settings.workspace)
-        if self.cgroup_fd is not None:
+        if self.cgroup_fd is not None and self.cgroups_unchecked:
             remove_leftovers(self.cgroup_fd, {c.cgroup.name for c in self.children() if c.cgroup is not None})
+            self.cgroups_unchecked = False
         if self.private_ipc:
             workspace.remove_ipc_objects()
         if self.settings.sandboxed:
@@ -242,14 +250,19 @@ class Zygote:
             return None
 
     def release_cgroup(self, child: Child) -> None:
-        """Remove the cgroup of a worker that has exited with all it started (one that a task is
-        still leaving goes at the next clear_slot)."""
+        """The cgroup of a worker that has exited with all it started: to be removed (see
+        remove_retired_cgroups)."""
         cgroup, child.cgroup = child.cgroup, None
         if cgroup is None:
             return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(cgroup.events)
-        cgroup.remove()
+        self.retired_cgroups.append(cgroup)
+
+    def remove_retired_cgroups(self) -> None:
+        """Remove the cgroups of exited workers; one that a task is still leaving is tried again
+        after the next announce."""
+        self.retired_cgroups = [cgroup for cgroup in self.retired_cgroups if not cgroup.remove()]
 
     def on_out_of_memory(self, cgroup: WorkerCgroup) -> None:
         """The kernel says a worker's processes asked for memory over the limit (they wait in the
@@ -373,10 +386,9 @@ class Zygote:
         # and children it made with CLONE_PARENT are ours from the start): kill all of it before
         # saying "exited".
         leftovers = processes.kill_descendants(os.getpid(), spare=self.spared())
-        if child.cgroup is not None and not child.kill_reason and child.cgroup.out_of_memory():
+        if child.cgroup is not None and not child.kill_reason and child.cgroup.oom_events():
             # Over the limit at its very end, after its event was last read: said all the same.
             child.kill_reason = child.cgroup.breach()
-        self.release_cgroup(child)
         self.current = None
         returncode = os.waitstatus_to_exitcode(status) if status is not None else None
         emit(
@@ -390,6 +402,7 @@ class Zygote:
                 instruction_index=child.board.read(),
             ),
         )
+        self.release_cgroup(child)  # after the event: its removal is off the way to the next program
         # Only workers that die fast, unasked and unexplained (a broken install, a crash at
         # start-up) count: programs end workers all the time, and that must not slow us.
         crashed = (
