@@ -176,7 +176,7 @@ def test_memory_cgroups_leave_honest_programs_and_nothing_behind(
         assert [p.name for p in slots] == ["slot-0", "slot-1"]
         for slot in slots:
             workers = [p.name for p in slot.iterdir() if p.is_dir()]
-            assert len(workers) <= 2, workers  # the current worker and the spare forked ahead
+            assert len(workers) <= 4, workers  # the current worker's, the spare's, at most 2 free
         if sandbox == "bubblewrap":
             reach = execute(running.url, program_of(REACH_CGROUP, "reach"))
             assert reach.completed, reach.error

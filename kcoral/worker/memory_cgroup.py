@@ -19,7 +19,9 @@ whole program, reason ``... (--memory-limit)``, as the watchdog does. The progra
 with its children, so a stopped child cannot let its parent go on to a COMPLETED result, unless the
 parent sends its result in the moment between the child's stop and the zygote's kill (the zygote's
 wake-up: microseconds on an idle host, a scheduling delay on a loaded one). After the worker's exit
-the zygote removes its cgroup.
+the zygote keeps its cgroup, empty, for a later worker of the slot (its peak reset): a removed
+memory cgroup lingers in the kernel while pages it was charged for stay cached, hundreds of them
+after a day of programs. The zygote removes them at its stop, the broker its directory at its own.
 
 Without the controller (cgroup v2 only, no root, ``--memory-cgroup off``) nothing changes: the
 watchdog's samples alone, and the broker's HEALTH says so (``memory_accounting``). cgroup v2
@@ -238,6 +240,24 @@ class WorkerCgroup:
             f"its processes asked for memory over {limits.describe_limit('memory_bytes', self.memory_limit)}, "
             f"by the kernel's count of its memory cgroup{counted}"
         )
+
+    def empty(self) -> bool:
+        """Whether no task is left in it."""
+        try:
+            return not _read(self.fd, PROCS_FILE).strip()
+        except OSError:
+            return False
+
+    def reuse(self) -> bool:
+        """Ready it for the next worker (it is empty): its OOM events read, its peak reset to what
+        it holds now (page cache the last worker's files left, which the kernel reclaims at the
+        limit). False where that fails."""
+        self.oom_events()
+        try:
+            _write(self.fd, PEAK_FILE, "0")
+        except OSError:
+            return False
+        return True
 
     def remove(self) -> bool:
         """Close its descriptors and remove it (no process may be left in it); whether it went."""

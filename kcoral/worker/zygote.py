@@ -89,6 +89,7 @@ KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find
 QUIET_POLL_SECONDS = 0.002
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
 READ_CHUNK_BYTES = 65536
+MAX_FREE_CGROUPS = 2  # exited workers' memory cgroups kept for the next forks of the slot
 
 
 def emit(event: ZygoteEvent, **fields: Any) -> None:
@@ -135,8 +136,12 @@ class Zygote:
         # in it, held to the memory limit by the kernel (kcoral.worker.memory_cgroup).
         memory_limit = settings.limits.get("memory_bytes") or 0
         self.cgroup_fd = settings.memory_cgroup_fd if memory_limit else None
-        # Those of workers that have exited, removed once the next worker is announced (off the way
-        # from one program's end to the next one's worker); one a task still leaves stays a while.
+        # Cgroups are reused, not removed between workers: a removed memory cgroup lingers in the
+        # kernel while pages it was charged for stay cached (num_cgroups in /proc/cgroups grew by
+        # hundreds over a day of programs). free: those of exited workers, empty, for the next
+        # fork; retired: one a task was still leaving, or beyond MAX_FREE_CGROUPS, removed after
+        # the next announce.
+        self.free_cgroups: list[WorkerCgroup] = []
         self.retired_cgroups: list[WorkerCgroup] = []
         # A zygote that died may have left cgroups in the slot: looked for at the first clear_slot.
         self.cgroups_unchecked = True
@@ -177,6 +182,8 @@ class Zygote:
         while self.current is not None or self.spare is not None:
             self.wait_for_event()
         self.clear_slot()
+        self.retired_cgroups += self.free_cgroups
+        self.free_cgroups = []
         self.remove_retired_cgroups()
         return 0
 
@@ -244,25 +251,38 @@ class Zygote:
         it cannot be made (the watchdog's samples alone then, as without cgroups)."""
         if self.cgroup_fd is None:
             return None
+        while self.free_cgroups:
+            cgroup = self.free_cgroups.pop()
+            if cgroup.reuse():
+                return cgroup
+            self.retired_cgroups.append(cgroup)
         try:
             return WorkerCgroup(self.cgroup_fd, identity, self.settings.limits["memory_bytes"])
         except OSError:
             return None
 
     def release_cgroup(self, child: Child) -> None:
-        """The cgroup of a worker that has exited with all it started: to be removed (see
-        remove_retired_cgroups)."""
+        """The cgroup of a worker that has exited with all it started: free for the next fork where
+        no task is left in it, else retired (see remove_retired_cgroups)."""
         cgroup, child.cgroup = child.cgroup, None
         if cgroup is None:
             return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(cgroup.events)
-        self.retired_cgroups.append(cgroup)
+        if len(self.free_cgroups) < MAX_FREE_CGROUPS and cgroup.empty():
+            self.free_cgroups.append(cgroup)
+        else:
+            self.retired_cgroups.append(cgroup)
 
     def remove_retired_cgroups(self) -> None:
-        """Remove the cgroups of exited workers; one that a task is still leaving is tried again
+        """Free or remove the retired cgroups; one that a task is still leaving is tried again
         after the next announce."""
-        self.retired_cgroups = [cgroup for cgroup in self.retired_cgroups if not cgroup.remove()]
+        retired, self.retired_cgroups = self.retired_cgroups, []
+        for cgroup in retired:
+            if len(self.free_cgroups) < MAX_FREE_CGROUPS and cgroup.empty():
+                self.free_cgroups.append(cgroup)
+            elif not cgroup.remove():
+                self.retired_cgroups.append(cgroup)
 
     def on_out_of_memory(self, cgroup: WorkerCgroup) -> None:
         """The kernel says a worker's processes asked for memory over the limit (they wait in the
