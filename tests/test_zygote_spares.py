@@ -32,9 +32,6 @@ class FakeZygote(Zygote):
     def discard(self, child: Child) -> None:
         self.discarded.append(child)
 
-    def fit_to_serve(self, spare: Child) -> bool:
-        return True
-
     def end_without_gpu(self, child: Child) -> None:
         child.kill_requested = True
 
@@ -49,6 +46,7 @@ class FakeZygote(Zygote):
 def slot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeZygote:
     monkeypatch.setattr(zygote_module, "emit", lambda event, **fields: None)
     monkeypatch.setattr(zygote_module, "let_go", lambda child: None)
+    monkeypatch.setattr(zygote_module, "fit_to_serve", lambda spare, expected: True)
     return FakeZygote(ZygoteSettings(connect="ipc://x", slot=0, gpu=0, workspace=tmp_path), eager_cuda=True)
 
 

@@ -76,6 +76,21 @@ def zygote_event_line(event: ZygoteEvent, **fields: Any) -> bytes:
     return (json.dumps({"event": event.value, **fields}) + "\n").encode()
 
 
+def read_command_lines(pending: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """The commands of the whole lines in ``pending`` (a line that is not a JSON object is
+    skipped), and what is left after the last newline."""
+    *lines, rest = pending.split(b"\n")
+    commands = []
+    for line in lines:
+        try:
+            command = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(command, dict):
+            commands.append(command)
+    return commands, rest
+
+
 def event_worker(event: Mapping[str, Any]) -> WorkerId:
     """The worker an event names (``forked``, ``gpu_free``, ``spare_discarded``, ``exited``)."""
     return worker_id(str(event.get("worker")))

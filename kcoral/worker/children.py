@@ -218,6 +218,18 @@ class SpareState:
         )
 
 
+def fit_to_serve(spare: Child, expected: SpareState) -> bool:
+    """Whether the spare is as forked: the program that ran beside it (the same user) could have
+    stopped it, or changed its priority, scheduling, CPUs or limits, none of which it could undo.
+    It could not read or write it (a worker is not dumpable until it has a program)."""
+    try:
+        os.kill(spare.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return False
+    info = processes.read_process(spare.pid)
+    return info is not None and info.state not in "TtZX" and SpareState.of(spare.pid) == expected
+
+
 def eager_cuda_possible(gpu: int | None) -> bool:
     """Whether a worker of this slot can make its CUDA context while idle: only on a real GPU
     (the broker asks for it on slots with one; a worker with a context can run programs on its

@@ -276,6 +276,68 @@ class WorkerCgroup:
         return True
 
 
+class WorkerCgroupPool:
+    """A slot's worker cgroups, kept by its zygote: one taken for each fork, given back at the
+    worker's exit.
+
+    Reused, not removed between workers: a removed memory cgroup lingers in the kernel while pages
+    it was charged for stay cached (num_cgroups in /proc/cgroups grew by hundreds over a day of
+    programs). Free: those of exited workers, empty, for the next forks (at most ``keep_free``);
+    retired: one a task was still leaving, or beyond ``keep_free``, removed at the next ``tidy``."""
+
+    def __init__(self, slot_fd: int, memory_limit: int, *, keep_free: int) -> None:
+        self.slot_fd = slot_fd
+        self.memory_limit = memory_limit
+        self.keep_free = keep_free
+        self.free: list[WorkerCgroup] = []
+        self.retired: list[WorkerCgroup] = []
+        self.unchecked = True  # a zygote that died may have left cgroups in the slot
+
+    def take(self, identity: str) -> WorkerCgroup | None:
+        """The cgroup of the worker about to be forked; None where it cannot be made (the
+        watchdog's samples alone then, as without cgroups)."""
+        while self.free:
+            cgroup = self.free.pop()
+            if cgroup.reuse():
+                return cgroup
+            self.retired.append(cgroup)
+        try:
+            return WorkerCgroup(self.slot_fd, identity, self.memory_limit)
+        except OSError:
+            return None
+
+    def give_back(self, cgroup: WorkerCgroup) -> None:
+        """The cgroup of a worker that has exited with all it started: free where no task is left
+        in it, else retired."""
+        if len(self.free) < self.keep_free and cgroup.empty():
+            self.free.append(cgroup)
+        else:
+            self.retired.append(cgroup)
+
+    def tidy(self) -> None:
+        """Free or remove the retired cgroups; one that a task is still leaving is tried again at
+        the next call."""
+        retired, self.retired = self.retired, []
+        for cgroup in retired:
+            if len(self.free) < self.keep_free and cgroup.empty():
+                self.free.append(cgroup)
+            elif not cgroup.remove():
+                self.retired.append(cgroup)
+
+    def remove_leftovers(self, in_use: set[str]) -> None:
+        """Once, at the slot's first clearing: remove what a zygote before this one left."""
+        if self.unchecked:
+            remove_leftovers(self.slot_fd, in_use)
+            self.unchecked = False
+
+    def remove_all(self) -> None:
+        """At the zygote's stop (its workers are gone): remove every cgroup it kept."""
+        self.retired += self.free
+        self.free = []
+        self.keep_free = 0
+        self.tidy()
+
+
 def remove_dead_brokers(parent: Path) -> None:
     """Remove what brokers that were killed (SIGKILL: no stop of theirs ran) left in ``parent``:
     the directories of brokers whose process is gone, once no task is left in them."""
@@ -322,6 +384,7 @@ __all__ = [
     "CgroupUnavailable",
     "SlotCgroups",
     "WorkerCgroup",
+    "WorkerCgroupPool",
     "memory_v1_directory",
     "remove_dead_brokers",
     "remove_leftovers",

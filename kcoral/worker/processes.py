@@ -41,6 +41,7 @@ PR_SET_CHILD_SUBREAPER = 36
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 KILL_PAUSE_SECONDS = 0.002  # between kill rounds: let the dying be re-parented to us
 KILL_GIVE_UP_SECONDS = 10.0  # a process stuck in the kernel (state D) is left for later rounds
+WALK_MOST = 4096  # processes looked at in one bounded walk of a tree (a kill pass, a GPU check)
 SANDBOX_SEARCH_MOST = 16  # processes looked at for a zygote in its sandbox (bwrap, its init, it, a worker)
 
 
@@ -307,6 +308,23 @@ def kill_processes(infos: Iterable[ProcessInfo], *, spare_groups: Iterable[int] 
     kill_all(info.pid for info in chosen)
 
 
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group that ``pid`` leads, then ``pid`` itself (gone already: nothing)."""
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_below(root: int, *, spare: set[int]) -> None:
+    """One bounded pass (``WALK_MOST``) that kills the processes below ``root`` but ``spare`` and
+    their groups: those a group kill does not reach (other groups, children made with
+    ``CLONE_PARENT``); :func:`kill_descendants` gets whatever is left."""
+    tree = descendants(root, WALK_MOST, spare=spare)
+    kill_processes((info for info in map(read_process, tree) if info is not None), spare_groups=spare)
+
+
 def kill_descendants(root: int, *, spare: frozenset[int] | set[int] = frozenset()) -> list[ProcessInfo]:
     """Kill every process below ``root`` until none is left; return those that were alive.
 
@@ -388,7 +406,9 @@ __all__ = [
     "descendants",
     "find_in_sandbox",
     "kill_all",
+    "kill_below",
     "kill_descendants",
+    "kill_group",
     "kill_processes",
     "namespace_pid",
     "namespace_pids",

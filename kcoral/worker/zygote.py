@@ -5,17 +5,10 @@ costs milliseconds. The zygote never initialises CUDA, opens no zmq context and 
 so each forked worker begins clean and makes its own (see :mod:`kcoral.worker.children`).
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
-commands on stdin (:class:`~kcoral.protocol.zygote_link.ZygoteCommand`: ``kill_worker`` the current
-worker and all it started, ``fork_spare``, ``retire_worker``, ``stop``; ``kill_worker`` and
-``retire_worker`` name their worker, and one named that is no longer current is ignored;
-``kill_worker`` with ``"next": "lazy"`` makes the worker after it one without a CUDA context, for a
-program on other GPUs than the slot's; ``retire_worker`` says with ``gpu`` whether the program
-took its GPU lease),
-events on stdout (``ready``, ``forked``, ``spare``, ``gpu_free``, ``exited``, and ``alive`` once a
-second, by which the supervisor knows that the zygote still watches). An ``exited`` event carries the
-worker's ``returncode`` or ``signal``, ``leftovers_killed``, ``reason`` (why the zygote killed it: a
-broken limit, say) and ``instruction_index`` (read from a page shared with the worker: one that
-dies at once takes its unsent progress messages with it).
+commands on stdin, events on stdout (``alive`` once a second, by which the supervisor knows that
+the zygote still watches), each with its fields in :mod:`kcoral.protocol.zygote_link`. An
+``exited`` event's ``instruction_index`` is read from a page shared with the worker: one that dies
+at once takes its unsent progress messages with it.
 
 The zygote is the trusted side of the slot: the program in a worker can neither write to it nor
 speak for it. A worker closes every inherited descriptor but its standard streams (pointed away
@@ -45,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import resource
 import secrets
@@ -59,10 +51,11 @@ from kcoral.protocol.zygote_link import (
     ZygoteCommand,
     ZygoteEvent,
     ZygoteSettings,
+    read_command_lines,
     worker_exit_fields,
     zygote_event_line,
 )
-from kcoral.worker import confinement, limits, processes, workspace
+from kcoral.worker import handover, limits, processes, workspace
 from kcoral.worker.children import (
     FIRST_INHERITED_FD,
     PARENT_DEATH_SIGNAL,
@@ -72,10 +65,11 @@ from kcoral.worker.children import (
     close_go,
     close_inherited_descriptors,
     eager_cuda_possible,
+    fit_to_serve,
     let_go,
     preload_for_workers,
 )
-from kcoral.worker.memory_cgroup import WorkerCgroup, remove_leftovers
+from kcoral.worker.memory_cgroup import WorkerCgroup, WorkerCgroupPool
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
 
 FAST_EXIT_SECONDS = 1.0
@@ -83,7 +77,6 @@ CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the for
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
 RETIRE_GRACE_SECONDS = 5.0  # a worker the broker has the last result of has this long to exit
-KILL_WALK_MOST = 4096  # processes looked at in one kill pass; later passes find the rest
 # With --gpu-handover quiet: how often a killed worker that holds a GPU device is looked at until
 # none of its processes can run code (a /proc read per task, tens of microseconds).
 QUIET_POLL_SECONDS = 0.002
@@ -107,7 +100,7 @@ class Zygote:
     ``benchmarks/RESULTS.md``). A spare is unannounced and says nothing to the broker
     until the zygote writes to its go pipe, so the broker gives it nothing. Only once the current
     worker has exited, everything it started is dead and the workspace is wiped is the spare
-    checked (see :meth:`fit_to_serve`) and announced.
+    checked (:func:`~kcoral.worker.children.fit_to_serve`) and announced.
 
     Forked at the last result instead, the spare's fork (a few milliseconds for a process with
     torch mapped) stood between the worker's exit and the zygote seeing it, and so between a
@@ -135,16 +128,11 @@ class Zygote:
         # The slot's directory in the broker's memory cgroup: each worker gets a cgroup of its own
         # in it, held to the memory limit by the kernel (kcoral.worker.memory_cgroup).
         memory_limit = settings.limits.get("memory_bytes") or 0
-        self.cgroup_fd = settings.memory_cgroup_fd if memory_limit else None
-        # Cgroups are reused, not removed between workers: a removed memory cgroup lingers in the
-        # kernel while pages it was charged for stay cached (num_cgroups in /proc/cgroups grew by
-        # hundreds over a day of programs). free: those of exited workers, empty, for the next
-        # fork; retired: one a task was still leaving, or beyond MAX_FREE_CGROUPS, removed after
-        # the next announce.
-        self.free_cgroups: list[WorkerCgroup] = []
-        self.retired_cgroups: list[WorkerCgroup] = []
-        # A zygote that died may have left cgroups in the slot: looked for at the first clear_slot.
-        self.cgroups_unchecked = True
+        self.cgroups = (
+            WorkerCgroupPool(settings.memory_cgroup_fd, memory_limit, keep_free=MAX_FREE_CGROUPS)
+            if memory_limit and settings.memory_cgroup_fd is not None
+            else None
+        )
 
     def serve(self) -> int:
         preload_for_workers(self.settings.preload)
@@ -175,25 +163,24 @@ class Zygote:
                     )
                 self.clear_slot()
                 self.announce_next()
-                self.remove_retired_cgroups()
+                if self.cgroups is not None:
+                    self.cgroups.tidy()
             self.wait_for_event()
         for child in self.children():
             self.kill(child, "")
         while self.current is not None or self.spare is not None:
             self.wait_for_event()
         self.clear_slot()
-        self.retired_cgroups += self.free_cgroups
-        self.free_cgroups = []
-        self.remove_retired_cgroups()
+        if self.cgroups is not None:
+            self.cgroups.remove_all()
         return 0
 
     def clear_slot(self) -> None:
         """Empty what a program can leave in the slot: its workspace, System V IPC objects and
         (inside the sandbox) keys and POSIX message queues."""
         workspace.wipe(self.settings.workspace)
-        if self.cgroup_fd is not None and self.cgroups_unchecked:
-            remove_leftovers(self.cgroup_fd, {c.cgroup.name for c in self.children() if c.cgroup is not None})
-            self.cgroups_unchecked = False
+        if self.cgroups is not None:
+            self.cgroups.remove_leftovers({c.cgroup.name for c in self.children() if c.cgroup is not None})
         if self.private_ipc:
             workspace.remove_ipc_objects()
         if self.settings.sandboxed:
@@ -220,7 +207,7 @@ class Zygote:
         sys.stderr.flush()
         zygote_pid = os.getpid()
         go_read, go_write = os.pipe()
-        cgroup = self.make_cgroup(identity)
+        cgroup = self.cgroups.take(identity) if self.cgroups is not None else None
         pid = os.fork()
         if pid == 0:
             become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=eager)
@@ -246,43 +233,14 @@ class Zygote:
             self.selector.register(cgroup.events, selectors.EVENT_READ, cgroup)
         return child
 
-    def make_cgroup(self, identity: str) -> WorkerCgroup | None:
-        """The memory cgroup of the worker about to be forked, where the slot has them; None where
-        it cannot be made (the watchdog's samples alone then, as without cgroups)."""
-        if self.cgroup_fd is None:
-            return None
-        while self.free_cgroups:
-            cgroup = self.free_cgroups.pop()
-            if cgroup.reuse():
-                return cgroup
-            self.retired_cgroups.append(cgroup)
-        try:
-            return WorkerCgroup(self.cgroup_fd, identity, self.settings.limits["memory_bytes"])
-        except OSError:
-            return None
-
     def release_cgroup(self, child: Child) -> None:
-        """The cgroup of a worker that has exited with all it started: free for the next fork where
-        no task is left in it, else retired (see remove_retired_cgroups)."""
+        """The cgroup of a worker that has exited with all it started, back to the slot's pool."""
         cgroup, child.cgroup = child.cgroup, None
-        if cgroup is None:
+        if cgroup is None or self.cgroups is None:
             return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(cgroup.events)
-        if len(self.free_cgroups) < MAX_FREE_CGROUPS and cgroup.empty():
-            self.free_cgroups.append(cgroup)
-        else:
-            self.retired_cgroups.append(cgroup)
-
-    def remove_retired_cgroups(self) -> None:
-        """Free or remove the retired cgroups; one that a task is still leaving is tried again
-        after the next announce."""
-        retired, self.retired_cgroups = self.retired_cgroups, []
-        for cgroup in retired:
-            if len(self.free_cgroups) < MAX_FREE_CGROUPS and cgroup.empty():
-                self.free_cgroups.append(cgroup)
-            elif not cgroup.remove():
-                self.retired_cgroups.append(cgroup)
+        self.cgroups.give_back(cgroup)
 
     def on_out_of_memory(self, cgroup: WorkerCgroup) -> None:
         """The kernel says a worker's processes asked for memory over the limit (they wait in the
@@ -303,7 +261,7 @@ class Zygote:
         if spare is not None and lazy and spare.eager:
             self.discard(spare)  # its context serves the slot's GPU alone; the program needs others
             spare = None
-        if spare is not None and not self.fit_to_serve(spare):
+        if spare is not None and not fit_to_serve(spare, self.expected):
             emit(ZygoteEvent.SPARE_DISCARDED, worker=spare.identity)
             self.discard(spare)
             spare = None
@@ -312,7 +270,7 @@ class Zygote:
         let_go(child)
         self.watchdog.program_may_start(time.monotonic())
         # Where the slot has memory cgroups, whether this worker is in one (its making can fail).
-        cgroup = {"memory_cgroup": child.cgroup is not None} if self.cgroup_fd is not None else {}
+        cgroup = {"memory_cgroup": child.cgroup is not None} if self.cgroups is not None else {}
         emit(ZygoteEvent.FORKED, worker=child.identity, pid=child.pid, **cgroup)
         self.fork_spare_ahead()
 
@@ -329,20 +287,9 @@ class Zygote:
         self.spare = self.fork_worker()
         emit(ZygoteEvent.SPARE, worker=self.spare.identity, pid=self.spare.pid)
 
-    def fit_to_serve(self, spare: Child) -> bool:
-        """Whether the spare is as forked: the program that ran beside it (the same user) could
-        have stopped it, or changed its priority, scheduling, CPUs or limits, none of which it
-        could undo. It could not read or write it (a worker is not dumpable until it has a program)."""
-        try:
-            os.kill(spare.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            return False
-        info = processes.read_process(spare.pid)
-        return info is not None and info.state not in "TtZX" and SpareState.of(spare.pid) == self.expected
-
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
-        _kill_group(child.pid)
+        processes.kill_group(child.pid)
         close_go(child)
         if child.pidfd is not None:
             self.selector.unregister(child.pidfd)
@@ -446,35 +393,17 @@ class Zygote:
         on_exit reaps it and reports."""
         if not child.kill_reason:
             child.kill_reason = reason
-        _kill_group(child.pid)
-        if child is not self.current:
-            return
-        # The group kill got the bulk; this bounded walk gets the others (other groups, children
-        # made with CLONE_PARENT), and kill_descendants in on_exit whatever is left.
-        spared = self.spared()
-        tree = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=spared)
-        processes.kill_processes(
-            (info for info in map(processes.read_process, tree) if info is not None), spare_groups=spared
-        )
+        processes.kill_group(child.pid)
+        if child is self.current:  # the group kill got the bulk; kill_descendants in on_exit the rest
+            processes.kill_below(os.getpid(), spare=self.spared())
 
     def end_without_gpu(self, child: Child) -> None:
-        """The broker has the worker's last result: kill it and all it started now, and where none
-        of them has a GPU device open or mapped, say ``gpu_free`` so that the GPU lease goes back
-        before the exit is through.
-
-        A process's exit releases its memory before the kernel reports it: 2 to 7 ms for a process
-        with torch mapped, which, with the lease held until the exit, took fresh workers with 8 in
-        flight from 623 to 290 a second on the two-GPU H200 (a program that never touches its GPU).
-        A worker with a CUDA context still holds the lease until it has exited: its context goes
-        only then. Processes that cannot be read count as holding a GPU.
-        """
+        """The broker has the worker's last result: kill it and all it started now, and say
+        ``gpu_free`` where the GPU lease may go back before the exit is through (kcoral.worker.handover)."""
         child.kill_requested = True
         self.kill(child, "")
         # Walked again after the kill: what was forked during the kill's own walk is found too.
-        below = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())
-        if len(below) > KILL_WALK_MOST:
-            return  # the walk stopped at its bound: some processes went unread, so the exit decides
-        if not any(confinement.holds_gpu_device(pid) is not False for pid in [child.pid, *below]):
+        if handover.holds_no_gpu(child.pid, self.spared()):
             emit(ZygoteEvent.GPU_FREE, worker=child.identity)
         elif self.settings.gpu_handover == "quiet":
             child.quiet_watch = True
@@ -482,15 +411,8 @@ class Zygote:
 
     def check_quiet(self, child: Child) -> None:
         """With ``--gpu-handover quiet``: say ``gpu_free`` (with ``teardown``) for a killed worker that
-        still holds a GPU device once none of its processes can run code: each of their threads has
-        left its address space (the kernel drops it on the way out, before it closes the process's
-        descriptors, where the driver tears the CUDA context down). A process without an address
-        space can push no more work to the GPU; work it pushed before may still be on the GPU until
-        the teardown is through, and its GPU memory is freed only then."""
-        below = processes.descendants(os.getpid(), KILL_WALK_MOST, spare=self.spared())
-        if len(below) > KILL_WALK_MOST:
-            return  # some processes went unread: the exit decides
-        if all(processes.past_user_code(pid) for pid in [child.pid, *below]):
+        still holds a GPU device once none of its processes can run code."""
+        if handover.past_user_code(child.pid, self.spared()):
             child.quiet_watch = False
             after_ms = round((time.monotonic() - (child.done_at or 0.0)) * 1000, 2)
             emit(ZygoteEvent.GPU_FREE, worker=child.identity, teardown=True, after_ms=after_ms)
@@ -504,15 +426,9 @@ class Zygote:
             self.selector.unregister(0)
             self.stop("the broker went away")
             return
-        self.pending_input += chunk
-        while b"\n" in self.pending_input:
-            line, self.pending_input = self.pending_input.split(b"\n", 1)
-            try:
-                command = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(command, dict):
-                self.on_command(command)
+        commands, self.pending_input = read_command_lines(self.pending_input + chunk)
+        for command in commands:
+            self.on_command(command)
 
     def on_command(self, command: dict[str, Any]) -> None:
         """One command from the broker (see the module's docstring)."""
@@ -558,14 +474,6 @@ class Zygote:
         if os.getppid() == self.parent:
             return  # not the kernel's: a program sent it (we are re-parented before that one comes)
         self.stop("the broker went away")
-
-
-def _kill_group(pid: int) -> None:
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            target()
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:
