@@ -250,6 +250,7 @@ __all__ = [
     "ZygoteSettings",
     "event_int",
     "event_worker",
+    "read_command_lines",
     "worker_exit_fields",
     "zygote_command_line",
     "zygote_event_line",
