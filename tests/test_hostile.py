@@ -95,11 +95,14 @@ def wait_for(fd, count, wait_s):
 def peak(children, hold_mib, burst_mib, wait_s):
     # Children of the worker's parent, each under the per-process limit, that hold memory under
     # the slot's limit together, then each take a burst at once that passes it, and give it back:
-    # over the limit for the few milliseconds of the bursts' last pages, between two samples.
+    # over the limit for the few milliseconds of the bursts' last pages, between two samples. Each
+    # keeps its burst until all are through (``release``): on a loaded host the bursts would
+    # otherwise come one after another, never over the limit together.
     libc = ctypes.CDLL(None, use_errno=True)
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     done_r, done_w = os.pipe()
+    release_r, release_w = os.pipe()
     for _ in range(children):
         if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
             held = b"\\x01" * (hold_mib << 20)
@@ -113,14 +116,17 @@ def peak(children, hold_mib, burst_mib, wait_s):
             start = ctypes.c_char.from_buffer(burst)
             ctypes.memset(ctypes.addressof(start), 1, burst_mib << 20)
             del start
-            burst.close()
             os.write(done_w, b"1")
+            os.read(release_r, 1)
+            burst.close()
             time.sleep(wait_s)
             os._exit(0)
     if wait_for(ready_r, children, wait_s) < children:
         return "not ready"
     os.write(go_w, b"x" * children)
-    return wait_for(done_r, children, wait_s)  # how many bursts were through
+    through = wait_for(done_r, children, wait_s)  # how many bursts were through
+    os.write(release_w, b"x" * children)
+    return through
 """
 
 
