@@ -73,7 +73,16 @@ def _wait_for(predicate: object, timeout: float, what: str) -> float:
 
 def _interrupt_and_check(broker: RunningBroker, argv: list[str]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # As from a terminal: SIGINT not ignored, whatever this process inherited (a shell's background
+    # job ignores it, and a Python started so never raises KeyboardInterrupt).
+    process = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         _wait_for(lambda: _load(broker.url)["running"] == 1, 60, "the program runs")
         process.send_signal(signal.SIGINT)
