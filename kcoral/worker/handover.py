@@ -34,10 +34,13 @@ def _worker_tree(worker_pid: int, spare: set[int]) -> list[int] | None:
     return [worker_pid, *below]
 
 
-def holds_no_gpu(worker_pid: int, spare: set[int]) -> bool:
-    """Whether none of the finished worker's processes has a GPU device open or mapped."""
+def holds_no_gpu(worker_pid: int, spare: set[int]) -> bool | None:
+    """Whether none of the finished worker's processes has a GPU device open or mapped; None where
+    the walk stopped at its bound (the exit decides then)."""
     tree = _worker_tree(worker_pid, spare)
-    return tree is not None and not any(confinement.holds_gpu_device(pid) is not False for pid in tree)
+    if tree is None:
+        return None
+    return not any(confinement.holds_gpu_device(pid) is not False for pid in tree)
 
 
 def past_user_code(worker_pid: int, spare: set[int]) -> bool:

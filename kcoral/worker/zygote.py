@@ -403,7 +403,10 @@ class Zygote:
         child.kill_requested = True
         self.kill(child, "")
         # Walked again after the kill: what was forked during the kill's own walk is found too.
-        if handover.holds_no_gpu(child.pid, self.spared()):
+        free = handover.holds_no_gpu(child.pid, self.spared())
+        if free is None:
+            return  # some processes went unread: the exit decides
+        if free:
             emit(ZygoteEvent.GPU_FREE, worker=child.identity)
         elif self.settings.gpu_handover == "quiet":
             child.quiet_watch = True
