@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kcoral.keys import ClientKeys, generate_keypair
 from kcoral.testing import RunningService, wait_ready
 
@@ -92,7 +94,7 @@ def remove_stale() -> list[str]:
     links = re.findall(r"^\d+: ([^:@\s]+)", _ip("-o", "link", "show", check=False).stdout, re.MULTILINE)
     for name in [*namespaces, *links]:
         match = _OWN_NAME.fullmatch(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or psutil.pid_exists(int(match.group(1))):
             continue
         if name in namespaces:
             _ip("netns", "delete", name, check=False)
@@ -100,16 +102,6 @@ def remove_stale() -> list[str]:
             _ip("link", "delete", name, check=False)
         removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _free_subnet() -> ipaddress.IPv4Network:

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from kcoral.worker import limits
 
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -347,7 +349,7 @@ def remove_dead_brokers(parent: Path) -> None:
         return
     for entry in entries:
         found = BROKER_DIRECTORY.fullmatch(entry.name)
-        if found is None or not entry.is_dir() or _alive(int(found.group(1))):
+        if found is None or not entry.is_dir() or psutil.pid_exists(int(found.group(1))):
             continue
         for directory in sorted(entry.rglob("*"), key=lambda p: -len(p.parts)):
             with contextlib.suppress(OSError):
@@ -355,16 +357,6 @@ def remove_dead_brokers(parent: Path) -> None:
                     directory.rmdir()
         with contextlib.suppress(OSError):
             entry.rmdir()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_leftovers(slot_fd: int, keep: set[str]) -> None:
