@@ -187,24 +187,14 @@ def tabulate(summary: dict[str, Any]) -> None:
         }
 
 
-BUSY_SOURCE = """
-import sys, time, torch
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-print("busy", flush=True)
-end = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:
-    for _ in range(20):
-        torch.mm(a, a)
-    torch.cuda.synchronize()
-"""
-
-
 def busy_service(args: argparse.Namespace) -> int:
     """``--runs`` compare() programs on the broker beside a GEMM loop the service knows nothing of."""
     program = Program()
     module = program.upload(kind="module", source=CASES.read_text())
     run = program.get_function(module=module, name="self_vs_self")
     program.return_(key="rows", value=program.run(fn=run, args=[1]))
+    from tests.gpu.compare_cases import BUSY_SOURCE  # the GEMM loop that compare_gpu.py runs beside
+
     busy = subprocess.Popen(
         [sys.executable, "-c", BUSY_SOURCE, str(args.busy_seconds)], stdout=subprocess.PIPE, text=True
     )
