@@ -287,20 +287,18 @@ def curve_cost(args: argparse.Namespace) -> int:
             rows, rates = alternate(args, {"plain": (plain_url, None), "curve": (curve_url, keys)})
     print_table(
         f"CurveZMQ cost ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
-        [
-            "broker",
-            "n",
-            "constant p50 ms",
-            "p99 ms",
-            f"programs/s, {args.in_flight} in flight (median)",
-            "one at a time/s",
-        ],
+        alternated_columns("broker", args.in_flight),
         rows,
     )
     p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
     print(f"\ncurve / plain: p50 {p50_ratio:.3f}x, {args.in_flight} in flight {rate_ratio:.3f}x")
     save_json(args.json, {"rows": rows, "rates": rates, "machine": machine()})
     return 0
+
+
+def alternated_columns(first: str, in_flight: int) -> list[str]:
+    """The columns of a table of ``alternate``'s rows, ``first`` naming what each row measured."""
+    return [first, "n", "constant p50 ms", "p99 ms", f"programs/s, {in_flight} in flight (median)", "one at a time/s"]
 
 
 def against(args: argparse.Namespace) -> int:
@@ -311,14 +309,7 @@ def against(args: argparse.Namespace) -> int:
     print_table(
         f"This checkout against {args.against} ({machine()}, broker: {args.broker_flags}, "
         f"{args.rounds} alternating rounds)",
-        [
-            "broker",
-            "n",
-            "constant p50 ms",
-            "p99 ms",
-            f"programs/s, {args.in_flight} in flight (median)",
-            "one at a time/s",
-        ],
+        alternated_columns("broker", args.in_flight),
         rows,
     )
     p50_ratio, rate_ratio = rows[1][2] / rows[0][2], rows[1][4] / rows[0][4]
@@ -342,14 +333,7 @@ def router_hop(args: argparse.Namespace) -> int:
                 wire[name] += [there + back for there, back in ways]
     print_table(
         f"The router's hop ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
-        [
-            "path",
-            "n",
-            "constant p50 ms",
-            "p99 ms",
-            f"programs/s, {args.in_flight} in flight (median)",
-            "one at a time/s",
-        ],
+        alternated_columns("path", args.in_flight),
         rows,
     )
     hop, ratio = rows[1][2] - rows[0][2], rows[1][4] / rows[0][4]
