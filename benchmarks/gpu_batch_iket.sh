@@ -89,6 +89,8 @@ run() {  # GPU call 2: join, check, install, then trace, test and time.
         step "$name" "$limit" "$@"
     }
     { date -u; git log -1 --oneline 2>/dev/null || true; nvidia-smi; } >"$OUT/environment.txt" 2>&1
+    # A device call brings back only a few files: everything under $OUT is packed into one at the end.
+    trap pack_out EXIT
 
     bstep join-wheels 30 bash "$ROOT/benchmarks/gpu_batch_iket.sh" join
     bstep install-wheels 90 bash "$ROOT/benchmarks/gpu_batch_iket.sh" install
@@ -142,12 +144,15 @@ EOF
     URL="tcp://127.0.0.1:$PORT"
     "$PY" -m kcoral.cli broker --listen "$URL" >"$OUT/broker.log" 2>&1 &
     BROKER=$!
-    trap 'kill -TERM $BROKER 2>/dev/null; wait $BROKER 2>/dev/null' EXIT
+    trap 'kill -TERM $BROKER 2>/dev/null; wait $BROKER 2>/dev/null; pack_out' EXIT
     for _ in $(seq 1 40); do
         kill -0 "$BROKER" 2>/dev/null || break
         "$PY" -m kcoral.cli status "$URL" --json >"$OUT/status.json" 2>/dev/null && break
         sleep 1
     done
+    # Which pids NVML gives inside the sandbox and outside it (benchmark()'s view of its neighbours).
+    bstep pid-namespaces 60 "$PY" benchmarks/gpu_pid_namespaces.py --url "$URL" --programs 3 \
+        --json "$OUT/pid-namespaces.json"
     WORK=$(mktemp -d)
     cp examples/iket/row_sum_iket.py "$WORK/"
     KC=(env -C "$WORK" KCORAL_URL="$URL" "$PY" -m kcoral.cli)
@@ -168,9 +173,17 @@ EOF
         >"$OUT/iket-bench.jsonl"
     kill -TERM "$BROKER" 2>/dev/null
     wait "$BROKER" 2>/dev/null
-    trap - EXIT
+    trap pack_out EXIT
     rm -rf "$WORK"
 
+}
+
+pack_out() {  # $OUT as iket.tar.gz beside a copy of summary.txt: two files, whatever was cut short
+    local packed
+    packed=$(mktemp /tmp/kcoral-iket-out.XXXXXX.tar.gz)
+    tar -czf "$packed" -C "$OUT" . 2>/dev/null
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} +
+    mv "$packed" "$OUT/iket.tar.gz"
 }
 
 join() {  # Part aa from the tree or the stash, part ab from call 2; the joined wheel's sha256.

@@ -15,7 +15,7 @@ import pytest
 
 from kcoral.tools import iket
 from kcoral.tools.adapter import UsageError
-from kcoral.tools.iket_trace import TraceFormatError, read_summary, summarize, summary_lines, trace_files
+from kcoral.tools.iket_trace import TRACE_JSON, TraceFormatError, read_summary, summarize, summary_lines, trace_files
 from kcoral.tools.service_side import PYTHON
 
 
@@ -166,3 +166,11 @@ def test_trace_files_are_run_iket_s_own_at_the_top_of_the_folder() -> None:
         "t/iket_pid_9.pftrace.gz",
         "t/iket_pid_9.trace.json",
     ]
+
+
+def test_trace_files_named_by_a_hex_pid_are_found() -> None:
+    # run-iket 4.8.1 on the H200 wrote iket_pid_0x32.trace.json, .pftrace, .pftrace.gz and .html.
+    saved = [f"t/iket_pid_0x32.{ending}" for ending in ("trace.json", "pftrace", "pftrace.gz", "html")]
+    assert trace_files(saved, "t") == sorted(saved)
+    assert TRACE_JSON.match("iket_pid_0x32.trace.json")
+    assert not TRACE_JSON.match("iket_pid_0x.trace.json")

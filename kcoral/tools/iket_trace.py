@@ -4,7 +4,7 @@ one-line summary of each named IKET stage (range) and marker from the postproces
 run-iket (``nvidia-cutlass-dsl-libs-base`` 4.8.1, ``iket/cli/run_iket.py``) writes, per traced
 process, into its ``--output-dir``::
 
-    iket_pid_<PID>.pftrace          --postprocess perfetto or all (the Perfetto timeline)
+    iket_pid_<PID>.pftrace          --postprocess perfetto or all (the Perfetto timeline; PID in hex, 0x32)
     iket_pid_<PID>.trace.json       --postprocess json or all (decoded events, as JSON)
     iket_pid_<PID>.html             --postprocess html or all, with iket_pid_<PID>.pftrace.gz
     tracker/ gen-config/ iket/      intermediates, removed unless ``--keep``
@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TRACE_JSON = re.compile(r"^iket_pid_(\d+)\.trace\.json$")
-TRACE_FILE = re.compile(r"^iket_pid_(\d+)\.(trace\.json|pftrace|pftrace\.gz|html)$")
+# run-iket 4.8.1 names the process in hex (iket_pid_0x32.trace.json, seen on the H200); decimal too.
+PID = r"(0x[0-9a-fA-F]+|\d+)"
+TRACE_JSON = re.compile(rf"^iket_pid_{PID}\.trace\.json$")
+TRACE_FILE = re.compile(rf"^iket_pid_{PID}\.(trace\.json|pftrace|pftrace\.gz|html)$")
 # The decoder's field names (strings of libiket_cubin_info.so), read in any of these spellings.
 RANGE_LISTS = ("ranges",)
 MARKER_LISTS = ("markers",)
