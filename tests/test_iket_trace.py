@@ -98,15 +98,15 @@ def test_stages_by_name_index_into_the_string_table() -> None:
     }
     summary = summarize(decoded)
     assert [(s.kind, s.name, s.count, s.median) for s in summary.stages] == [
-        ("range", "epilogue", 2, 50.0),
         ("range", "mainloop", 3, 1000.0),
+        ("range", "epilogue", 2, 50.0),
         ("marker", "tile_done", 2, None),
     ]
     assert summary.kernels == ["kernel_gemm"]
     assert summary_lines(summary) == [
         "kernels: kernel_gemm",
-        "stage epilogue: 2 ranges, median 50 ns",
         "stage mainloop: 3 ranges, median 1000 ns",
+        "stage epilogue: 2 ranges, median 50 ns",
         "marker tile_done: 2 events",
     ]
 
@@ -174,3 +174,24 @@ def test_trace_files_named_by_a_hex_pid_are_found() -> None:
     assert trace_files(saved, "t") == sorted(saved)
     assert TRACE_JSON.match("iket_pid_0x32.trace.json")
     assert not TRACE_JSON.match("iket_pid_0x.trace.json")
+
+
+def test_globaltimer_stamps_are_subtracted_exactly_and_read_as_nanoseconds() -> None:
+    # run-iket 4.8.1 on the H200: no timer source named, stamps in ns since the Unix epoch (~2**61),
+    # where a float holds only multiples of 256 ns; a 32 ns stage must not read 0 or 256.
+    start = 1796166365935893632
+    decoded = {
+        "stringTable": ["store"],
+        "launches": [launch([{"rangeNameIdx": 0, "startTs": start, "endTs": start + 32}])],
+    }
+    summary = summarize(decoded)
+    assert summary.stages[0].durations == [32.0]
+    assert summary_lines(summary)[-1] == "stage store: 1 range, median 32 ns"
+
+
+def test_run_iket_s_trace_of_a_kernel_without_markers_has_no_stages() -> None:
+    # What run-iket 4.8.1 wrote on the H200 for the example run with --no-markers (91 bytes).
+    decoded = {"graphLaunches": {}, "launches": [], "locationTable": [], "meta": {"version": 1}, "stringTable": []}
+    assert summary_lines(summarize(decoded)) == [
+        "no named IKET range or marker in it (a kernel without IKET markers records none)"
+    ]

@@ -4,6 +4,7 @@ trusted-state snapshot, the timed loop's brackets, inputs and output checks, and
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import threading
@@ -592,3 +593,19 @@ def test_a_busy_process_that_is_not_ours_is_a_reason_when_we_know_our_pid(armed_
     nvml = FakeNvml({os.getpid(), 4242}, {4242: 70})
     watch = EnvironmentWatch.start(nvml, threading.enumerate, armed_state.threads_at_arm, 0)  # type: ignore[arg-type]
     assert any("pid 4242" in reason for reason in watch.finish())
+
+
+def test_in_a_pid_namespace_nvml_s_name_for_us_is_our_pid_there(armed_state: trust.ArmedState) -> None:
+    """On the H200, NVML told a program in the bubblewrap sandbox its own pid there (os.getpid(),
+    18) and its slot's spare by its pid there (19), the other slots' spares by their host pids; the
+    broker names us by our host pid (OWN) and the spares by both. None of it is contention."""
+    here, spare_inside, other_spare = os.getpid(), 19, 5003
+    known = KnownPids(OWN, idle=frozenset({SPARE, spare_inside, other_spare}))
+    nvml = FakeNvml({here, spare_inside}, {here: 8, spare_inside: 2, other_spare: 14})
+    watch = EnvironmentWatch.start(nvml, threading.enumerate, armed_state.threads_at_arm, 0, known)  # type: ignore[arg-type]
+    assert not [reason for reason in watch.finish() if "another process used the GPU" in reason]
+    # A stranger beside us is still counted.
+    nvml = FakeNvml({here}, {here: 8, STRANGER: 60})
+    watch = EnvironmentWatch.start(nvml, threading.enumerate, armed_state.threads_at_arm, 0, known)  # type: ignore[arg-type]
+    (reason,) = [reason for reason in watch.finish() if "another process used the GPU" in reason]
+    assert f"pid {STRANGER} (60% SM)" in reason and f"pid {here} " not in reason

@@ -4,9 +4,10 @@ NVML's per-process samples name a GPU's exited processes for a while after their
 spare holds a CUDA context made ahead beside the program; ``benchmark()`` in the holder counted both
 as contention (issue 21: an honest program read ``suspect`` in 2 to 3 of 12 runs on the H200). The
 broker keeps, per GPU, the host pids of the lease holders whose lease went back (their worker exited,
-or could run no more code), and sends them with each GRANT beside the holder's own pid and its
-slot's spare (``kcoral.timing.neighbours`` says how the holder uses them). Every pid here is read
-from the process table by the broker, through the pid its zygote reported: none comes from a program.
+or could run no more code), and sends them with each GRANT beside the holder's own pid and the
+spares of the GPU's slots (``Supervisor.gpu_spares``); ``kcoral.timing.neighbours`` says how the
+holder uses them. Every pid here is read from the process table by the broker, through the pid its
+zygote reported: none comes from a program.
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ class GpuPids:
         latest = sorted(found, key=lambda pid: found[pid], reverse=True)[:GRANT_MOST]
         return sorted(latest)
 
-    def grant(self, gpus: Iterable[int], own: int | None, spare: int | None, now: float) -> dict[str, Any]:
-        """GRANT's ``gpu_pids`` map (the wire form of ``kcoral.timing.neighbours.KnownPids``)."""
-        exited = [pid for pid in self.exited(gpus, now) if pid not in (own, spare)]
-        return {"own": own, "idle": [spare] if spare is not None else [], "exited": exited}
+    def grant(self, gpus: Iterable[int], own: int | None, spares: Iterable[int], now: float) -> dict[str, Any]:
+        """GRANT's ``gpu_pids`` map (the wire form of ``kcoral.timing.neighbours.KnownPids``):
+        ``spares``, the GPUs' spares (``Supervisor.gpu_spares``), are its ``idle``."""
+        idle = sorted(set(spares) - {own} if own is not None else set(spares))
+        exited = [pid for pid in self.exited(gpus, now) if pid != own and pid not in idle]
+        return {"own": own, "idle": idle[:GRANT_MOST], "exited": exited}
 
 
 __all__ = ["GRANT_MOST", "KEEP_SECONDS", "MOST_PER_GPU", "GpuPids"]

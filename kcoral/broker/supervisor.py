@@ -17,7 +17,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -101,6 +101,14 @@ class SlotState:
     killed_for: str = ""  # why the supervisor killed the running zygote, when it did
 
 
+def _host_pid(state: SlotState, inside: int | None) -> int | None:
+    """The host pid of the zygote's child that has pid ``inside`` in the zygote's namespace."""
+    zygote = state.zygote_host_pid
+    if zygote is None or inside is None:
+        return None
+    return processes.child_by_namespace_pid(zygote, inside)
+
+
 @dataclass
 class Supervisor:
     """Runs the zygotes; ``on_exit`` hears of every worker that ended."""
@@ -151,14 +159,31 @@ class Supervisor:
         named them (None where not, or not found): each is a child of the zygote, found by the pid
         the zygote gave, read in the zygote's own pid namespace."""
         state = self.states.get(slot)
-        zygote = state.zygote_host_pid if state is not None else None
-        if state is None or zygote is None:
+        if state is None:
             return None, None
+        return _host_pid(state, state.worker_pid), _host_pid(state, state.spare_pid)
 
-        def host(inside: int | None) -> int | None:
-            return processes.child_by_namespace_pid(zygote, inside) if inside is not None else None
+    def gpu_spares(self, gpus: Iterable[int], holder_slot: int) -> list[int]:
+        """The spares of every slot on ``gpus``: their host pids (NVML's outside the sandbox), and for
+        ``holder_slot`` also the pid its zygote gave, which is what NVML says inside that slot's
+        sandbox (NVML gives a process the lease holder can see by its pid there, one it cannot by its
+        host pid; measured on the H200)."""
+        wanted = set(gpus)
+        pids: list[int] = []
+        for slot, state in self.states.items():
+            if state.spec.gpu not in wanted or state.spare_pid is None:
+                continue
+            host = _host_pid(state, state.spare_pid)
+            pids += [host] if host is not None else []
+            pids += [state.spare_pid] if slot == holder_slot else []
+        return pids
 
-        return host(state.worker_pid), host(state.spare_pid)
+    async def spares_named(self, gpus: Iterable[int], timeout: float) -> None:
+        """:meth:`spare_named` for every slot on ``gpus`` at once: a slot whose worker went just now
+        forks its next spare, which makes its CUDA context while the next lease holder measures."""
+        wanted = set(gpus)
+        slots = [slot for slot, state in self.states.items() if state.spec.gpu in wanted]
+        await asyncio.gather(*(self.spare_named(slot, timeout) for slot in slots))
 
     async def spare_named(self, slot: int, timeout: float) -> None:
         """Wait, at most ``timeout`` seconds, for the zygote to name the slot's spare where it forks

@@ -184,9 +184,9 @@ class WorkerMessages:
         except (LeaseReclaimed, asyncio.CancelledError):
             return
         try:
-            # The holder is told its slot's spare (kcoral.broker.gpu_pids): one forked just now is
-            # named a few milliseconds after its worker was announced.
-            await self.supervisor.spare_named(worker.slot, SPARE_WAIT_SECONDS)
+            # The holder is told the spares on its GPUs (kcoral.broker.gpu_pids): one forked just now
+            # is named a few milliseconds after its worker was announced.
+            await self.supervisor.spares_named(request.gpu_ids, SPARE_WAIT_SECONDS)
         except asyncio.CancelledError:
             self.leases.release(request.id)
             return
@@ -204,9 +204,10 @@ class WorkerMessages:
 
     def _grant(self, request: Request, worker: Worker) -> list[Any]:
         """GRANT: the request, and the GPU's processes known to run nothing (kcoral.broker.gpu_pids)."""
-        own, spare = self.supervisor.host_pids(worker.slot)
+        own, _ = self.supervisor.host_pids(worker.slot)
         self.holder_pids[worker.identity] = (own, tuple(request.gpu_ids))
-        gpu_pids = self.gpu_pids.grant(request.gpu_ids, own, spare, time.monotonic())
+        spares = self.supervisor.gpu_spares(request.gpu_ids, worker.slot)
+        gpu_pids = self.gpu_pids.grant(request.gpu_ids, own, spares, time.monotonic())
         return protocol.message(protocol.GRANT, {"request_id": request.id, "gpu_pids": gpu_pids})
 
     def _lease_gone(self, worker: WorkerId) -> None:

@@ -168,7 +168,10 @@ class EnvironmentWatch:
         busy = self.nvml.busy_pids(self.since_us) or {}
         running = None if pids_after is None or self.pids_before is None else pids_after | self.pids_before
         excused = self.known.excused(busy, running) if self.known is not None else {}
-        own = self.known.own if self.known is not None and self.known.own is not None else os.getpid()
+        # Ours by either name: NVML gives this process its pid in our pid namespace (where the
+        # sandbox has one: os.getpid()), measured on the H200; the broker names its host pid.
+        here = os.getpid()
+        own = self.known.own if self.known is not None and self.known.own is not None else here
         self.details["gpu_processes"] = {
             "before": sorted(self.pids_before) if self.pids_before is not None else None,
             "after": sorted(pids_after) if pids_after is not None else None,
@@ -179,12 +182,12 @@ class EnvironmentWatch:
         counted = [pid for pid in busy if pid not in excused]
         if not counted:
             return []
-        # In a PID namespace (the bubblewrap sandbox) NVML's PIDs are the host's. The broker names
-        # ours with the lease; where it did not, and ours is not among NVML's, two busy processes
-        # mean one was not us.
+        # In a PID namespace (the bubblewrap sandbox) NVML names the processes it can see there by
+        # their pids there, the others by their host pids. The broker names ours with the lease;
+        # where it did not, and ours is not among NVML's, two busy processes mean one was not us.
         named = self.known is not None and self.known.own is not None
-        known = named or (pids_after is not None and own in pids_after)
-        others = [pid for pid in counted if pid != own] if known else (counted if len(counted) > 1 else [])
+        known = named or (pids_after is not None and (own in pids_after or here in pids_after))
+        others = [pid for pid in counted if pid not in (own, here)] if known else (counted if len(counted) > 1 else [])
         if not others:
             return []
         listed = ", ".join(f"pid {pid} ({busy[pid]}% SM)" for pid in sorted(others)[:NAMES_SHOWN])

@@ -4,16 +4,21 @@ NVML lists every process with a CUDA context on a GPU and samples each one's SM 
 findings (``timing.findings``) count another busy process as contention. Beside a program's worker
 the service keeps processes of its own on the GPU that run no one's work:
 
-- ``idle``: the slot's spare, forked ahead with its CUDA context made (``kcoral.worker.zygote``). It
-  runs no program until the zygote announces it, which happens only after the slot's current worker
-  (the lease holder) has exited;
+- ``idle``: the spares of the GPU's slots, forked ahead with their CUDA contexts made
+  (``kcoral.worker.zygote``). A spare runs no program until its zygote announces it, which happens
+  only after its slot's current worker has exited; a spare forked just before the grant makes its
+  context during the holder's measurement (2 to 14% SM in NVML's samples on the H200);
 - ``exited``: the GPU's previous lease holders, gone before this lease was granted (or, with
   ``--gpu-handover quiet``, unable to run code any more). NVML's per-process samples go on naming
   such a process after its end (measured on the H200: 9 to 38% SM for pids of earlier programs, some
   ended before the grant), since a sample covers a period that began while it still ran.
 
-The broker sends their host pids (NVML's pid namespace, not the sandbox's) with GRANT, and the
-holder's own (``own``), so that the findings need not guess which busy pid is theirs. They come from
+The broker sends their host pids with GRANT, and the holder's own (``own``), so that the findings
+need not guess which busy pid is theirs. Inside a sandbox with a pid namespace NVML names what the
+caller can see there (itself, its slot's spare) by the pids there, everything else by host pids
+(measured on the H200, ``benchmarks/gpu_pid_namespaces.py``): so the findings take
+``os.getpid()`` as theirs too, and ``idle`` also carries the holder's own slot's spare by its pid in
+the sandbox. They come from
 the broker's process table and the zygotes' reports alone, never from a program; the worker's
 lease channel records them at the grant, after any of the program's import-time code has run. An
 exited pid is left out only while NVML lists no context of it (a pid reused by a live process holding

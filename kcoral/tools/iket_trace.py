@@ -43,6 +43,13 @@ RANGE_NAME_INDICES = ("rangeNameIdx", "nameIdx")
 MARKER_NAMES = ("markerName", "name")
 MARKER_NAME_INDICES = ("markerNameIdx", "nameIdx")
 START, END = "startTs", "endTs"
+# run-iket 4.8.1's JSON (seen on the H200): {"launches": [{"kernelName", "ranges": [...], "markers":
+# [...], "warpLifetimes", ...}], "stringTable", "locationTable", "graphLaunches", "meta"}; a kernel
+# without markers gives an empty launches list. It names no timer source; its stamps are
+# %globaltimer's, nanoseconds since the Unix epoch, so stamps past 2001 (1e18 ns) are read as those.
+LAUNCH_LISTS = ("launches",)
+GLOBALTIMER = "%globaltimer"
+GLOBALTIMER_SINCE = 10**18
 TIMER_SOURCE = "timerSource"
 KERNEL_NAME = "kernelName"
 # A trace JSON larger than this is listed but not read (a whole-grid trace of a large kernel).
@@ -132,10 +139,16 @@ def _named(
                 yield name, item
 
 
-def _number(value: Any) -> float | None:
+def _number(value: Any) -> int | float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    return value
+
+
+def _span(start: int | float, end: int | float) -> float:
+    """``end - start``, taken exactly before it becomes a float: %globaltimer stamps are nanoseconds
+    since the Unix epoch (about 2**61), which a float holds only to 256 ns."""
+    return float(end - start)
 
 
 def summarize(decoded: Any, path: Path = Path("trace.json")) -> TraceSummary:
@@ -144,11 +157,14 @@ def summarize(decoded: Any, path: Path = Path("trace.json")) -> TraceSummary:
     kernels: list[str] = []
     timer_source: str | None = None
     seen_lists = False
+    earliest: int | float | None = None
     for key, value, tables in _walk(decoded):
         if key == KERNEL_NAME and isinstance(value, str) and value not in kernels:
             kernels.append(value)
         elif key == TIMER_SOURCE and isinstance(value, str | int) and timer_source is None:
             timer_source = str(value)
+        elif key in LAUNCH_LISTS and value == []:
+            seen_lists = True  # run-iket's trace of a kernel without markers: no launch recorded
         elif key in RANGE_LISTS and isinstance(value, list):
             seen_lists = True
             for name, item in _named(value, RANGE_NAMES, RANGE_NAME_INDICES, tables):
@@ -157,7 +173,8 @@ def summarize(decoded: Any, path: Path = Path("trace.json")) -> TraceSummary:
                     continue
                 stage = stages.setdefault(("range", name), StageSummary(name, "range"))
                 stage.count += 1
-                stage.durations.append(end - start)
+                stage.durations.append(_span(start, end))
+                earliest = start if earliest is None else min(earliest, start)
         elif key in MARKER_LISTS and isinstance(value, list):
             seen_lists = True
             for name, _ in _named(value, MARKER_NAMES, MARKER_NAME_INDICES, tables):
@@ -165,7 +182,10 @@ def summarize(decoded: Any, path: Path = Path("trace.json")) -> TraceSummary:
     if not seen_lists:
         keys = sorted(decoded) if isinstance(decoded, Mapping) else type(decoded).__name__
         raise TraceFormatError(f"no 'ranges' or 'markers' list in it (top level: {keys})")
-    ordered = sorted(stages.values(), key=lambda s: (s.kind != "range", s.name))
+    # Ranges first, each kind in the order the trace first records it (a kernel's stages in turn).
+    ordered = sorted(stages.values(), key=lambda s: s.kind != "range")
+    if timer_source is None and earliest is not None and earliest >= GLOBALTIMER_SINCE:
+        timer_source = GLOBALTIMER
     return TraceSummary(path, ordered, kernels, timer_source)
 
 
