@@ -26,7 +26,7 @@ from kcoral.broker.gpu_pids import GRANT_MOST, GpuPids
 from kcoral.broker.leases import LeaseTable
 from kcoral.broker.requests import Request, RequestState, Worker
 from kcoral.broker.settings import BrokerSettings
-from kcoral.broker.supervisor import SlotSpec, SlotState, Supervisor
+from kcoral.broker.supervisor import SlotPhase, SlotSpec, SlotState, Supervisor
 from kcoral.broker.worker_messages import WorkerMessages
 from kcoral.broker.workers import WORKER_EXIT_GRACE_SECONDS, WorkerPool
 from kcoral.protocol.worker_link import WorkerId
@@ -250,3 +250,33 @@ def test_the_spares_of_every_slot_on_the_gpu_are_named_and_the_holder_s_own_also
         for process in spares:
             process.kill()
             process.wait()
+
+
+def test_a_grant_waits_for_the_next_spare_of_a_slot_whose_worker_just_exited(tmp_path: Path) -> None:
+    """Between a worker's exit and its zygote's next spare, a slot has its old spare and no worker:
+    the spare is about to be announced and the next one forked (it would make its CUDA context
+    during the next holder's measurement, unnamed). spares_named waits for that one, within bound."""
+
+    async def main() -> None:
+        specs = [SlotSpec(0, 0, tmp_path / "0", ("true",)), SlotSpec(1, 0, tmp_path / "1", ("true",))]
+        supervisor = Supervisor(specs, on_exit=lambda exit: None)
+        for spec in specs:
+            state = supervisor.states[spec.slot] = SlotState(spec, state=SlotPhase.RUNNING)
+            state.worker, state.spare, state.spare_pid = WorkerId(b"w1"), WorkerId(b"w2"), 20
+        settled = supervisor.states[0]
+        just_exited = supervisor.states[1]
+        just_exited.worker = None
+        waiting = asyncio.create_task(supervisor.spares_named([0], timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        supervisor._handle_event(just_exited, {"event": "forked", "worker": "w2", "pid": 20})
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # its spare became the worker; the next is not named yet
+        supervisor._handle_event(just_exited, {"event": "spare", "worker": "w3", "pid": 21})
+        await asyncio.wait_for(waiting, 1.0)
+        assert settled.spare_pid == 20 and just_exited.spare_pid == 21
+        started = time.monotonic()
+        await supervisor.spares_named([0], timeout=5.0)  # both settled: no wait
+        assert time.monotonic() - started < 0.1
+
+    run(main)
