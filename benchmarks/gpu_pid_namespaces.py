@@ -95,9 +95,7 @@ def holders() -> list[dict[str, Any]]:
     return sorted(found, key=lambda item: item["pid"])
 
 
-def outside(stop: threading.Event, into: list[dict[str, Any]]) -> None:
-    import pynvml as nvml
-
+def outside(nvml: Any, stop: threading.Event, into: list[dict[str, Any]]) -> None:
     nvml.nvmlInit()
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     since = int(time.time() * 1e6)
@@ -120,6 +118,11 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    try:
+        import pynvml
+    except ImportError:
+        print("gpu_pid_namespaces: needs nvidia-ml-py (pip install 'kcoral[gpu]')", file=sys.stderr)
+        return 2
     report: dict[str, Any] = {
         "self": {"pid": os.getpid(), "pid_ns": os.readlink("/proc/self/ns/pid")},
         "init_pid_ns": None,
@@ -134,7 +137,7 @@ def main() -> int:
             fn = program.get_function(module=module, name="probe")
             program.return_(key="probe", value=program.run(fn=fn, args=[args.seconds]))
             stop, seen = threading.Event(), []
-            watcher = threading.Thread(target=outside, args=(stop, seen), daemon=True)
+            watcher = threading.Thread(target=outside, args=(pynvml, stop, seen), daemon=True)
             watcher.start()
             result = client.execute(program, timeout_seconds=120)
             stop.set()
