@@ -89,6 +89,12 @@ def test_verdict_bounds_and_too_few_rounds() -> None:
     assert decide(interval(1.001, 1.004)) == "same"  # a real difference, under the threshold
     assert decide(interval(0.95, 0.99)) == "faster"
     assert decide(interval(0.95, 1.05)) == "unclear"
+    # Holding 1 at a half-width within the threshold: no difference seen (the H200's two budget-cut
+    # runs of a 16M add against itself).
+    assert decide(interval(0.9944, 1.0025)) == "same"
+    assert decide(interval(0.9998, 1.0063)) == "same"
+    assert decide(interval(0.990, 1.0015)) == "unclear"  # holds 1, but wider than the threshold
+    assert decide(interval(1.0002, 1.0085)) == "unclear"  # narrow enough, but 1 is outside it
     assert decide(interval(1.006, 1.02), threshold=0.05) == "same"
     few = ratio_interval([1.0, 1.01, 0.99])
     assert few.low is None and few.halfwidth is None and decide(few) == "unclear"

@@ -283,3 +283,13 @@ def name_values(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:
         if action.metavar is None and action.type in METAVARS:
             action.metavar = METAVARS[action.type]
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, *, nodes: bool = False) -> None:
+    """What both services take last: access (keys, insecure listening), the upload bounds, the cap on
+    connections per address and the metrics endpoint; then the values named in the usage."""
+    add_access_arguments(parser, nodes=nodes)
+    add_upload_bounds(parser)
+    add_connection_cap(parser)
+    add_metrics_listen(parser)
+    name_values(parser)

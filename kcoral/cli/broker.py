@@ -29,15 +29,11 @@ from kcoral.cli.arguments import (
     EXIT_CONFIG,
     HelpFormatter,
     absolute_path,
-    add_access_arguments,
-    add_connection_cap,
     add_max_request_bytes,
-    add_metrics_listen,
-    add_upload_bounds,
+    add_service_arguments,
     endpoint,
     existing_path,
     gpu_list,
-    name_values,
     node_id,
     non_negative,
     positive,
@@ -205,11 +201,7 @@ def add_broker_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="FILE",
         help="this node's secret key file for the link (default: --curve-secret-key)",
     )
-    add_access_arguments(broker)
-    add_upload_bounds(broker)
-    add_connection_cap(broker)
-    add_metrics_listen(broker)
-    name_values(broker)
+    add_service_arguments(broker)
     broker.set_defaults(run=run_broker)
 
 

@@ -6,13 +6,9 @@ import argparse
 
 from kcoral.cli.arguments import (
     HelpFormatter,
-    add_access_arguments,
-    add_connection_cap,
     add_max_request_bytes,
-    add_metrics_listen,
-    add_upload_bounds,
+    add_service_arguments,
     endpoint,
-    name_values,
     positive,
     positive_seconds,
 )
@@ -40,11 +36,7 @@ def add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="seconds programs wait for a node while none is registered, then are refused (default 10)",
     )
     add_max_request_bytes(router)
-    add_access_arguments(router, nodes=True)
-    add_upload_bounds(router)
-    add_connection_cap(router)
-    add_metrics_listen(router)
-    name_values(router)
+    add_service_arguments(router, nodes=True)
     router.set_defaults(run=run_router)
 
 
