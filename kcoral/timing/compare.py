@@ -85,7 +85,8 @@ def compare(
     spent. The answer:
 
     - ``verdict``: ``faster`` (B takes less time than A), ``slower``, ``same`` (the interval lies
-      within ``threshold`` of 1, or holds 1 at a half-width of at most ``threshold``) or ``unclear``; a ``suspect`` run says ``unclear``;
+      within ``threshold`` of 1, or holds 1 at a half-width of at most ``threshold``) or
+      ``unclear``; a ``suspect`` run says ``unclear``;
     - ``ratio`` (B/A) with ``ratio_low``/``ratio_high``, ``halfwidth``, ``ratio_of_medians``,
       ``method`` of the interval and its ``seed``;
     - ``a`` and ``b``: each side's median, mean, min, max, std and ``noise`` (relative std), the
