@@ -24,7 +24,8 @@
 # turn: cut at its limit, its counts differ by one at most), snapshot-gaps 20 s, remote-attacks what
 # is left (it needs about 2 minutes). What a budget cut leaves out runs in a second call:
 # PARTS="remote-honest remote-attacks".
-# PARTS (default: all of them, in that order) picks some; BROKER_FLAGS adds flags to the broker's
+# PARTS (default: the six above, in that order; also compare-tests, gpu-programs and gpu-tests, at
+# the end) picks some; BROKER_FLAGS adds flags to the broker's
 # (a dry run on a machine whose venv has the tree installed editable: BROKER_FLAGS="--sandbox none",
 # SKIP_INSTALL=1). Logs and JSON go to a work folder; after
 # every part it is packed again as $OUT/evidence.tar.gz, beside $OUT/summary.txt and
@@ -143,3 +144,23 @@ part remote-honest "${REMOTE_HONEST_S:-200}" "$PY" benchmarks/gpu_evidence.py re
 part snapshot-gaps "${GAPS_S:-45}" "${PYTEST[@]}" tests/gpu/test_snapshot_gaps_gpu.py
 part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${PYTEST[@]}" \
     tests/gpu/test_remote_attacks_gpu.py
+
+# Parts that start brokers of their own: never in the default PARTS (the next session's call is
+# PARTS="suspect-rate compare-tests gpu-programs gpu-tests", about 6 minutes). The evidence broker
+# goes first, so that its idle workers and spares are not on the GPU beside them.
+if wanted compare-tests || wanted gpu-programs || wanted gpu-tests; then
+    stop_broker
+fi
+# Issue 22: the self-compare under the verdict rule of 5dc442d (same in 10 of 10) and the provenance
+# of a real result, direct and through a router (tests/gpu/test_compare_gpu.py, never run on the GPU).
+part compare-tests "${COMPARE_TESTS_S:-120}" "${PYTEST[@]}" tests/gpu/test_compare_gpu.py \
+    -k "itself or provenance"
+# Issue 21: the fresh GPU program on the broker's defaults (sequential p50, 8 in flight) beside the
+# driver's floor, and benchmark() beside contexts made ahead, in one run.
+part gpu-programs "${GPU_PROGRAMS_S:-120}" "$PY" benchmarks/gpu_programs.py --sequential 60 --concurrent 40 \
+    --in-flight 8 --config defaults . "" --timing defaults --timing-runs 3 --floor-rounds 1 \
+    --json "$OUT/gpu-programs.json"
+# The GPU tests of the code moved since they last ran there (fresh contexts and sessions, the lease,
+# the timer through the service).
+part gpu-tests "${GPU_TESTS_S:-150}" "${PYTEST[@]}" tests/gpu/test_fresh_gpu.py tests/gpu/test_slot_gpu.py \
+    tests/gpu/test_timing_gpu.py tests/gpu/test_service_gpu.py
