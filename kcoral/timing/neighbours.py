@@ -16,14 +16,14 @@ the service keeps processes of its own on the GPU that run no one's work:
 The broker sends their host pids with GRANT, and the holder's own (``own``), so that the findings
 need not guess which busy pid is theirs. Inside a sandbox with a pid namespace NVML names what the
 caller can see there (itself, its slot's spare) by the pids there, everything else by host pids
-(measured on the H200, ``benchmarks/gpu_pid_namespaces.py``): so the findings take
-``os.getpid()`` as theirs too, and ``idle`` also carries the holder's own slot's spare by its pid in
-the sandbox. They come from
-the broker's process table and the zygotes' reports alone, never from a program; the worker's
-lease channel records them at the grant, after any of the program's import-time code has run. An
-exited pid is left out only while NVML lists no context of it (a pid reused by a live process holding
-the GPU is counted again). Like the rest of the in-process timer, a program that rewrites the worker's
-state could forge them; the trusted path (``kcoral remote``) does not rely on them.
+(measured on the H200, ``benchmarks/gpu_pid_namespaces.py``): so the findings take ``os.getpid()``
+as theirs too, and ``idle`` also carries the holder's own slot's spare by its pid in the sandbox.
+They come from the broker's process table and the zygotes' reports alone, never from a program; the
+worker's lease channel records them at the grant, after any of the program's import-time code has
+run. An exited pid is left out only while NVML lists no context of it (a pid reused by a live
+process holding the GPU is counted again). Like the rest of the in-process timer, a program that
+rewrites the worker's state could forge them; the trusted path (``kcoral remote``) does not rely on
+them.
 """
 
 from __future__ import annotations
