@@ -72,3 +72,30 @@ def test_each_grant_names_the_holder_its_spare_and_the_one_before(broker_factory
         below = {child.pid for child in psutil.Process(broker.process.pid).children(recursive=True)}
         host = [pid for pid in third["known"]["idle"] if pid in below]
         assert len(host) == 1, (third, sorted(below))  # a live process below this broker, right now
+
+
+def worker_named(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).name() == "kcoral-worker"
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_a_grant_names_the_spares_of_the_gpu_s_other_slots(broker_factory: BrokerFactory, sandbox: str) -> None:
+    """Two slots on one GPU: the holder is told both slots' spares by host pid (the other slot's
+    spare makes its CUDA context beside the holder; NVML inside the sandbox names it by host pid),
+    and its own slot's spare also by its pid in the sandbox when there is a pid namespace."""
+    broker = broker_factory("--fake-gpus", "1", "--workers-per-gpu", "2", "--sandbox", sandbox)
+    seen = []
+    with Client(broker.url) as client:
+        run_pids(client)  # both slots have forked their spares by the next programs
+        for _ in range(3):
+            pids = run_pids(client)
+            below = {child.pid for child in psutil.Process(broker.process.pid).children(recursive=True)}
+            idle = pids["known"]["idle"]
+            assert pids["known"]["own"] not in idle, pids
+            seen.append((len([pid for pid in idle if pid in below and worker_named(pid)]), len(idle), pids))
+    # The spares of both slots, alive below the broker, and the own slot's also by its sandbox pid
+    # (a grant waits at most 0.25 s for a spare being forked: on a loaded host one can be late).
+    assert any(host == 2 and count == (2 if sandbox == "none" else 3) for host, count, _ in seen), seen
