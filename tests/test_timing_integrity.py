@@ -144,6 +144,28 @@ def test_work_hidden_under_the_timers_own_ids_is_counted_and_named_forged() -> N
     assert timings.forged_activities == 2
     assert timings.spans_ms == [pytest.approx((4_700 - 2_000) / 1e6)]
     assert timings.holds_seen == 1
+    # Where they began against their window (two_windows' first begins at 1_000 ns), for the report.
+    assert (
+        timings.forged_summary()
+        == "ids of gap 1, hold 1; gemm, gemm2; starting 1.0 to 3.6 us (median 3.6) after their window began"
+    )
+
+
+def test_the_timers_own_flush_read_at_a_shifted_clock_is_told_apart_in_the_message() -> None:
+    """On the H200 an honest side-stream matmul once failed with 710 activities under the timer's
+    gap ids: whether they were the flush read at a shifted clock (all at one offset, inside the
+    windows) the message now says."""
+    windows = two_windows()
+    activities = [
+        kernel(index + 1, window.begin_ns + 200, window.begin_ns + 300, "flush") for index, window in enumerate(windows)
+    ]
+    external = {index + 1: BASE + GAP_ID_OFFSET + index for index in range(len(windows))}
+    timings = attribute(activities, external, windows, BASE)
+    assert timings.forged_activities == len(windows)
+    assert (
+        timings.forged_summary()
+        == f"ids of gap {len(windows)}; flush; starting 0.2 to 0.2 us (median 0.2) after their window began"
+    )
 
 
 def test_a_call_that_launched_nothing_is_empty_and_still_has_a_host_time() -> None:

@@ -150,7 +150,7 @@ class CuptiTimer:
         if timings.forged_activities:
             tampering.append(
                 f"{timings.forged_activities} GPU activities carried the timer's own external ids without being "
-                "its work (the ids were read from the timer and reused to hide work)"
+                f"its work (the ids were read from the timer and reused to hide work): {timings.forged_summary()}"
             )
         tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, counted.runner.flush_shape is not None))
         for kind in sorted(self.probe_kinds - timings.sentinels_seen):

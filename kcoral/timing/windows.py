@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -101,10 +102,30 @@ class WindowTimings:
     gaps_seen: int = 0
     sentinels_seen: frozenset[str] = frozenset()
     forged_activities: int = 0
+    # Each of those: its role under the timer's ids, its name, and its start less its window's
+    # begin (the first window's, where it began before all of them), in ns.
+    forged: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def foreign_ms(self) -> float:
         return busy_ns((start, end) for start, end, _ in self.foreign) / 1e6
+
+    def forged_summary(self) -> str:
+        """Which of the timer's ids the forged activities carried, their names, and where they began
+        against their windows: tells work hidden under the ids from the timer's own work read at a
+        shifted clock (a flush or sentinel all at one offset)."""
+        if not self.forged:
+            return ""
+        roles = Counter(role for role, _, _ in self.forged)
+        names = sorted({name or "?" for _, name, _ in self.forged})
+        offsets = sorted(offset / 1e3 for _, _, offset in self.forged)
+        shown = ", ".join(names[:FOREIGN_NAMES_SHOWN]) + (", ..." if len(names) > FOREIGN_NAMES_SHOWN else "")
+        by_role = ", ".join(f"{role} {count}" for role, count in sorted(roles.items()))
+        middle = offsets[len(offsets) // 2]
+        return (
+            f"ids of {by_role}; {shown}; starting {offsets[0]:.1f} to {offsets[-1]:.1f} us "
+            f"(median {middle:.1f}) after their window began"
+        )
 
     def foreign_summary(self) -> str:
         names = sorted({name or "?" for _, _, name in self.foreign})
@@ -141,6 +162,7 @@ def attribute(
     first_begin = begins[0] if begins else None
     launches = api_ends or {}
     forged = 0
+    forged_seen: list[tuple[str, str, int]] = []
     for activity in sorted(activities, key=lambda a: a.start_ns):
         role = role_of(external_ids.get(activity.correlation_id), base)
         position = bisect.bisect_right(begins, activity.start_ns) - 1
@@ -166,6 +188,8 @@ def attribute(
                 sentinels.add(activity.kind)
                 continue
             forged += 1
+            anchor = begins[position] if position >= 0 else (first_begin or activity.start_ns)
+            forged_seen.append((role[0], activity.name or activity.kind, activity.start_ns - anchor))
             if not inside:
                 foreign.append((activity.start_ns, activity.end_ns, activity.name or activity.kind))
                 continue
@@ -232,6 +256,7 @@ def attribute(
         foreign=sorted(foreign),
         holds_seen=len(hold_ends),
         forged_activities=forged,
+        forged=forged_seen,
         gaps_seen=len(gaps),
         sentinels_seen=frozenset(sentinels),
     )
