@@ -15,7 +15,8 @@ The kernel supplies its own named IKET markers (CuTe DSL: ``cutlass.cute.experim
 ``range_start``/``range_end``, ``range_push``/``range_pop``, ``mark``); run-iket runs the script
 twice (a tracker pass, then the traced pass) and turns the markers on through
 ``CUTE_DSL_COMPILER_OPT=iket``, so outside run-iket they compile to nothing. A kernel without markers
-gets run-iket's own message and exit status, and no trace. ``run-iket`` ships with the
+gets run-iket's own message and exit status, and a trace with no named stage (run-iket 4.8.1 writes
+one that records no launch). ``run-iket`` ships with the
 ``nvidia-cutlass-dsl`` wheels (``pip install 'kcoral[iket]'``) and needs an SM90 or newer GPU; where
 it is not installed the command says so and exits with 127. Timelines are diagnostic evidence:
 instrumentation changes execution costs, so compare performance with ordinary benchmarks.
