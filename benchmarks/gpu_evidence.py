@@ -152,8 +152,10 @@ def remote_honest(args: argparse.Namespace) -> int:
                 log("no workload gave a report in the first round: the rest would fail the same way")
                 break
     tabulate(summary)
-    print("workload | runs | correct | ok | cupti ms (median, min-max) | bracket net ms | speedup min-max | "
-          "benchmark() ms | in-process verdicts | cupti vs benchmark() | within")
+    print(
+        "workload | runs | correct | ok | cupti ms (median, min-max) | bracket net ms | speedup min-max | "
+        "benchmark() ms | in-process verdicts | cupti vs benchmark() | within"
+    )
     for workload, line in summary["table"].items():
         print(" | ".join(str(v) for v in (workload, *line.values())), flush=True)
     save(args.json, summary)
@@ -249,9 +251,11 @@ def digest(folder: Path) -> int:
                 for why in seen.values():
                     excused[why] = excused.get(why, 0) + 1
         reasons = [r for row in rows.values() for r in row.get("suspect_reasons", [])]
-        print(f"issue 21 honest benchmark() beside contexts made ahead: {ok} of {total} ok "
-              f"(failed programs: {len(timing.get('failures', []))}); busy pids left out: {excused}; "
-              f"suspect reasons: {reasons}")
+        print(
+            f"issue 21 honest benchmark() beside contexts made ahead: {ok} of {total} ok "
+            f"(failed programs: {len(timing.get('failures', []))}); busy pids left out: {excused}; "
+            f"suspect reasons: {reasons}"
+        )
     busy = _load(folder, "busy-service.json")
     if isinstance(busy, list):
         verdicts = [(row.get("verdict"), row.get("integrity")) for row in busy]

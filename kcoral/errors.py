@@ -76,9 +76,7 @@ class ExecutionError(Exception):
 
     def __init__(self, kind: str, message: str) -> None:
         if kind not in INSTRUCTION_ERROR_KINDS:
-            raise ValueError(
-                f"unknown error kind {kind!r}; expected one of {sorted(INSTRUCTION_ERROR_KINDS)}"
-            )
+            raise ValueError(f"unknown error kind {kind!r}; expected one of {sorted(INSTRUCTION_ERROR_KINDS)}")
         super().__init__(message)
         self.kind = kind
         self.message = message

@@ -40,9 +40,7 @@ def store_blob(store: BlobStore, data: bytes) -> str:
 
 
 def test_digest_of_is_lowercase_hex_sha256() -> None:
-    assert BlobStore.digest_of(b"") == (
-        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-    )
+    assert BlobStore.digest_of(b"") == ("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
     assert BlobStore.digest_of(memoryview(b"abc")) == BlobStore.digest_of(b"abc")
 
 
@@ -183,9 +181,7 @@ def test_disk_tier_survives_a_new_store_on_the_same_directory(make_store: StoreF
     assert reopened.size_of(digests[2]) == 100
 
 
-def test_restart_keeps_disk_lru_order_and_applies_a_smaller_capacity(
-    make_store: StoreFactory, tmp_path: Path
-) -> None:
+def test_restart_keeps_disk_lru_order_and_applies_a_smaller_capacity(make_store: StoreFactory, tmp_path: Path) -> None:
     store = make_store(disk=True)
     digests = [store_blob(store, blob(100, fill)) for fill in range(3)]
     # Make the ages explicit rather than rely on the file system's timestamp resolution.
@@ -200,9 +196,7 @@ def test_restart_keeps_disk_lru_order_and_applies_a_smaller_capacity(
     assert reopened.has(digests[2])
 
 
-def test_start_up_scan_drops_leftovers_and_empty_files(
-    make_store: StoreFactory, tmp_path: Path
-) -> None:
+def test_start_up_scan_drops_leftovers_and_empty_files(make_store: StoreFactory, tmp_path: Path) -> None:
     disk_dir = tmp_path / "blobs"
     disk_dir.mkdir()
     (disk_dir / ".incoming-abc").write_bytes(b"half a blob")
@@ -292,9 +286,7 @@ def test_pin_before_upload_protects_the_blob_from_the_moment_it_is_put(
 
 
 @pytest.mark.parametrize("disk", [False, True])
-def test_tiny_cache_serves_a_pinned_large_blob_and_evicts_it_after_unpin(
-    make_store: StoreFactory, disk: bool
-) -> None:
+def test_tiny_cache_serves_a_pinned_large_blob_and_evicts_it_after_unpin(make_store: StoreFactory, disk: bool) -> None:
     store = make_store(disk=disk, memory_bytes=16, disk_bytes=16)
     data = blob(MIB, 7)
     digest = store_blob(store, data)

@@ -297,7 +297,5 @@ def test_busy_ns_counts_overlaps_once_and_skips_gaps() -> None:
 def test_initial_hold_us_is_bounded() -> None:
     assert initial_hold_us([]) == timers.MIN_HOLD_US
     assert initial_hold_us([0.001]) == pytest.approx(max(timers.MIN_HOLD_US, 3.0 + timers.HOLD_MARGIN_US))
-    assert initial_hold_us([0.1, 0.1, 0.1]) == pytest.approx(
-        timers.HOLD_LAUNCH_FACTOR * 100 + timers.HOLD_MARGIN_US
-    )
+    assert initial_hold_us([0.1, 0.1, 0.1]) == pytest.approx(timers.HOLD_LAUNCH_FACTOR * 100 + timers.HOLD_MARGIN_US)
     assert initial_hold_us([1000.0]) == timers.MAX_HOLD_US

@@ -141,9 +141,7 @@ def test_three_gpu_waiter_is_not_starved_by_a_stream_of_single_gpu_acquirers() -
         await asyncio.wait_for(stream(), timeout=1)
         assert big_started.is_set()
         big_at = order.index("big")
-        later_on_big_gpus = [
-            h for h, n in arrived.items() if h != "big" and n > big_arrival and int(h[1:]) % 4 != 3
-        ]
+        later_on_big_gpus = [h for h, n in arrived.items() if h != "big" and n > big_arrival and int(h[1:]) % 4 != 3]
         # Nobody who asked for GPUs 0-2 after the big waiter was served before it.
         assert all(order.index(h) > big_at for h in later_on_big_gpus)
         # GPU 3 is not part of its request, so GPU 3 traffic went on while it waited.

@@ -122,9 +122,7 @@ def assert_next_programs_untouched(url: str) -> None:
     """Two programs at once (one per slot), each on the fake GPU: only their own files, their
     own secret, a lease wait bounded by the other victim's, and their GPU time their own."""
     secrets = [uuid.uuid4().hex for _ in range(2)]
-    programs = [
-        program_of(VICTIM, "victim", VICTIM_HOLD_S, files={"secret.txt": s.encode()}) for s in secrets
-    ]
+    programs = [program_of(VICTIM, "victim", VICTIM_HOLD_S, files={"secret.txt": s.encode()}) for s in secrets]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda p: execute(url, p), programs))
     for secret, result in zip(secrets, results):

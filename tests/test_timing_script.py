@@ -50,11 +50,7 @@ def test_small_adds_are_compared_with_the_kernels_own_duration() -> None:
 
 def _summary(medians: list[float], verdicts: list[str]) -> dict:
     reports = [{"integrity": {"verdict": v, "reasons": [] if v == "ok" else ["x"]}} for v in verdicts]
-    return {
-        "workloads": {
-            "add_16m_f32": {"medians_ms": medians, "spread": timing.spread(medians), "reports": reports}
-        }
-    }
+    return {"workloads": {"add_16m_f32": {"medians_ms": medians, "spread": timing.spread(medians), "reports": reports}}}
 
 
 def test_the_service_runs_pass_when_all_ok_close_to_ncu_and_to_each_other() -> None:

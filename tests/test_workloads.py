@@ -168,7 +168,7 @@ def test_messages_are_read_back_in_order() -> None:
 
 @pytest.mark.parametrize(
     "tail",
-    [b"\x05\x00\x00\x00{\"a\"", b"\xff\xff\xff\x7f", b"\x02\x00\x00\x00[]", b"\x01"],
+    [b'\x05\x00\x00\x00{"a"', b"\xff\xff\xff\x7f", b"\x02\x00\x00\x00[]", b"\x01"],
     ids=["cut-header", "huge-header", "not-a-map", "cut-length"],
 )
 def test_a_malformed_stream_is_a_channel_error(tail: bytes) -> None:

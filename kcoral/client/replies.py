@@ -80,9 +80,7 @@ def _times(value: Any) -> dict[str, float]:
     """A map of names to times, leaving out what is not one (the timeline is informative)."""
     if not isinstance(value, dict):
         return {}
-    return {
-        str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+    return {str(k): float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def progress_event(request_id: str, reply: dict[str, Any]) -> ProgressEvent:
