@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kcoral.errors import ExecutionError
+from kcoral.timing import findings
 from kcoral.workloads import bracket, harness
 from kcoral.workloads.channel import MessageReader, deadline_after, send_message
 from kcoral.workloads.format import load_workload
@@ -249,8 +250,8 @@ def test_the_summary_keeps_the_latest_calls() -> None:
 
 
 def test_host_time_is_judged_against_the_baseline_of_the_same_run() -> None:
-    gap = bracket.HOST_GAP_PREFIX + " (0.1942 ms median) is far above the GPU time (0.0417 ms): ..."
-    other = bracket.OTHER_PROCESS_PREFIX + ": pid 12 (3% SM)"
+    gap = findings.HOST_GAP_REASON + " (0.1942 ms median) is far above the GPU time (0.0417 ms): ..."
+    other = findings.OTHER_PROCESS_REASON + ": pid 12 (3% SM)"
     honest = {"host_ms_median": 0.20}
     baseline = {"host_ms_median": 0.19}
     assert bracket.timer_reasons([gap, other], honest, baseline) == []

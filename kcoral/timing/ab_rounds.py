@@ -15,8 +15,8 @@ from kcoral.errors import ExecutionError
 from kcoral.timing.ab_config import CompareConfig
 from kcoral.timing.ab_stats import (
     CHECK_RESAMPLES,
-    STOP_MAX_ROUNDS,
     Interval,
+    StopReason,
     block_order,
     ratio_interval,
     round_ratio,
@@ -168,6 +168,6 @@ def run_rounds(
         )
         # Rounds that keep nothing count against the most rounds too: a throttled GPU ends the run.
         if stop is None and len(done.ratios) + done.left_out + done.clock_apart >= settings.max_rounds:
-            stop = STOP_MAX_ROUNDS
+            stop = StopReason.MAX_ROUNDS
     done.stop = stop
     return done

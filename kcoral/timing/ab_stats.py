@@ -30,6 +30,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Final
 
 from kcoral.timing.stats import summarize
@@ -50,9 +51,15 @@ TRIM: Final = 0.1
 # Fewer rounds than this give no interval: a bootstrap of three ratios says nothing.
 MIN_ROUNDS_FOR_INTERVAL: Final = 4
 
-STOP_TARGET: Final = "target"
-STOP_BUDGET: Final = "budget"
-STOP_MAX_ROUNDS: Final = "max_rounds"
+
+class StopReason(StrEnum):
+    """What ended the sampling: the interval reached the target half-width, the time budget ran
+    out, or the most rounds were run."""
+
+    TARGET = "target"
+    BUDGET = "budget"
+    MAX_ROUNDS = "max_rounds"
+
 
 METHOD: Final = (
     f"percentile bootstrap over rounds ({BOOTSTRAP_RESAMPLES} resamples) of the {TRIM:.0%}-trimmed geometric "
@@ -180,17 +187,17 @@ def stop_reason(
     max_rounds: int,
     target_halfwidth: float,
     budget_ms: float,
-) -> str | None:
+) -> StopReason | None:
     """Why sampling stops now (``target``, ``budget``, ``max_rounds``), or None to go on.
 
     The budget ends a run even before ``min_rounds``: it bounds the wall time whatever the call costs.
     """
     if rounds >= min_rounds and halfwidth is not None and halfwidth <= target_halfwidth:
-        return STOP_TARGET
+        return StopReason.TARGET
     if elapsed_ms >= budget_ms:
-        return STOP_BUDGET
+        return StopReason.BUDGET
     if rounds >= max_rounds:
-        return STOP_MAX_ROUNDS
+        return StopReason.MAX_ROUNDS
     return None
 
 

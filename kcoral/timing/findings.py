@@ -48,12 +48,18 @@ def verdict(reasons: Sequence[str]) -> dict[str, Any]:
     return {"verdict": VERDICT_SUSPECT if reasons else VERDICT_OK, "reasons": list(reasons)}
 
 
+# How two of the findings begin: the trusted path (``kcoral.workloads.bracket``) tells them apart by
+# these, to judge them against the baseline of its own run.
+HOST_GAP_REASON: Final = "the synchronised host time per call"
+OTHER_PROCESS_REASON: Final = "another process used the GPU during the measurement"
+
+
 def host_gap_reason(gpu_ms: float | None, host_ms: float | None) -> str | None:
     if gpu_ms is None or host_ms is None:
         return None
     if host_ms > HOST_GAP_FACTOR * gpu_ms + HOST_GAP_MS:
         return (
-            f"the synchronised host time per call ({host_ms:.4f} ms median) is far above the GPU time "
+            f"{HOST_GAP_REASON} ({host_ms:.4f} ms median) is far above the GPU time "
             f"({gpu_ms:.4f} ms): the call waited for work this process's GPU timeline does not show "
             "(another process, the host, or work hidden from CUPTI)"
         )
@@ -191,4 +197,4 @@ class EnvironmentWatch:
         if not others:
             return []
         listed = ", ".join(f"pid {pid} ({busy[pid]}% SM)" for pid in sorted(others)[:NAMES_SHOWN])
-        return [f"another process used the GPU during the measurement: {listed}"]
+        return [f"{OTHER_PROCESS_REASON}: {listed}"]

@@ -30,7 +30,10 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Final
+
+from kcoral.timing.findings import HOST_GAP_REASON, OTHER_PROCESS_REASON
 
 ABOVE_SHARE: Final = 0.25
 BELOW_SHARE: Final = 0.10
@@ -44,10 +47,13 @@ SUMMARY_MIN: Final = 8
 # the candidate's host time is this far above the baseline's of the same run.
 HOST_FACTOR: Final = 1.5
 HOST_MARGIN_MS: Final = 0.05
-HOST_GAP_PREFIX: Final = "the synchronised host time per call"
-OTHER_PROCESS_PREFIX: Final = "another process used the GPU during the measurement"
-TIME_CUPTI: Final = "cupti"
-TIME_BRACKET: Final = "bracket"
+
+
+class TimeSource(StrEnum):
+    """Which figure a role's time is: its CUPTI figure (where the bracket confirms it) or the bracket."""
+
+    CUPTI = "cupti"
+    BRACKET = "bracket"
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -105,7 +111,7 @@ class Judgement:
     net_ms: float
     cupti_ms: float | None
     time_ms: float
-    time_source: str
+    time_source: TimeSource
     agrees: bool
     low_ms: float
     high_ms: float
@@ -128,21 +134,22 @@ def judge(role: BracketSummary, null: BracketSummary, cupti_ms: float | None) ->
     low = max(0.0, net * (1.0 - BELOW_SHARE) - slack)
     high = net * (1.0 + ABOVE_SHARE) + slack
     if cupti_ms is None or not cupti_ms == cupti_ms or cupti_ms <= 0:
-        return Judgement(net, None, net, TIME_BRACKET, False, low, high, "the candidate's process gave no CUPTI figure")
+        no_figure = "the candidate's process gave no CUPTI figure"
+        return Judgement(net, None, net, TimeSource.BRACKET, False, low, high, no_figure)
     if low <= cupti_ms <= high:
-        return Judgement(net, cupti_ms, cupti_ms, TIME_CUPTI, True, low, high, None)
+        return Judgement(net, cupti_ms, cupti_ms, TimeSource.CUPTI, True, low, high, None)
     if cupti_ms < low:
         reason = (
             f"the CUPTI figure of the candidate's process ({cupti_ms:.4f} ms) is below the harness's bracket "
             f"({net:.4f} ms net of the null call's {null.median_ms:.4f} ms; accepted from {low:.4f} ms): "
             "the bracket is reported as the time"
         )
-        return Judgement(net, cupti_ms, net, TIME_BRACKET, False, low, high, reason)
+        return Judgement(net, cupti_ms, net, TimeSource.BRACKET, False, low, high, reason)
     reason = (
         f"the CUPTI figure of the candidate's process ({cupti_ms:.4f} ms) is above the harness's bracket "
         f"({net:.4f} ms net; accepted up to {high:.4f} ms): the larger figure is reported"
     )
-    return Judgement(net, cupti_ms, cupti_ms, TIME_CUPTI, False, low, high, reason)
+    return Judgement(net, cupti_ms, cupti_ms, TimeSource.CUPTI, False, low, high, reason)
 
 
 def _host_ms(report: dict[str, Any] | None) -> float | None:
@@ -159,9 +166,9 @@ def timer_reasons(reasons: Sequence[str], report: dict[str, Any] | None, baselin
     kept: list[str] = []
     for reason in reasons:
         text = str(reason)
-        if text.startswith(OTHER_PROCESS_PREFIX):
+        if text.startswith(OTHER_PROCESS_REASON):
             continue
-        if text.startswith(HOST_GAP_PREFIX) and baseline is not None:
+        if text.startswith(HOST_GAP_REASON) and baseline is not None:
             mine, theirs = _host_ms(report), _host_ms(baseline)
             if mine is not None and theirs is not None and mine <= HOST_FACTOR * theirs + HOST_MARGIN_MS:
                 continue

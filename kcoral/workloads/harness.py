@@ -112,7 +112,7 @@ def timing_section(
     if null is None:
         reasons.append("the null call was not bracketed: the bracket has no calibration")
         section["latency_ms_median"] = max(summary.median_ms, _cupti_ms(timing) or 0.0)
-        section["time_source"] = bracket.TIME_BRACKET
+        section["time_source"] = bracket.TimeSource.BRACKET
     else:
         judgement = bracket.judge(summary, null, _cupti_ms(timing))
         described.update(judgement.describe())

@@ -31,8 +31,8 @@ from kcoral.timing.ab_stats import (
     CHECK_RESAMPLES,
     DEFAULT_THRESHOLD,
     METHOD,
-    STOP_MAX_ROUNDS,
     Interval,
+    StopReason,
     answer,
     noise,
     ratio_interval,
@@ -111,7 +111,7 @@ def paired_rounds(
             budget_ms=settings.budget_s * 1e3,
         )
         if stop is None and len(done.net_ms["a"]) >= 2 * settings.max_rounds:
-            stop = STOP_MAX_ROUNDS
+            stop = StopReason.MAX_ROUNDS
     done.stop = stop
     return done
 
