@@ -20,7 +20,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -44,6 +44,8 @@ CUDA_POISON_MARKERS = (
     "an illegal instruction",
 )
 
+T = TypeVar("T")
+
 
 class InstructionFailure(Exception):
     """Raised inside the interpreter to fail the current instruction with a kind."""
@@ -63,6 +65,14 @@ class FunctionValue:
     fn: Callable[..., Any]
     cpu_only: bool
     name: str
+
+
+def _look_up(table: Mapping[str, T], key: str, missing: Callable[[], str]) -> T:
+    """``table[key]``; a ``parse`` failure of the instruction, saying ``missing()``, where absent."""
+    try:
+        return table[key]
+    except KeyError:
+        raise InstructionFailure("parse", missing()) from None
 
 
 @dataclass
@@ -401,10 +411,7 @@ class Interpreter:
         return len(self.frames) - 1
 
     def _value(self, id: str) -> Any:
-        try:
-            return self.values[id]
-        except KeyError:
-            raise InstructionFailure("parse", f"reference {id!r} has no value") from None
+        return _look_up(self.values, id, lambda: f"reference {id!r} has no value")
 
     def _resolve(self, tree: Any) -> Any:
         def convert(obj: Any) -> Any:
@@ -428,10 +435,7 @@ class Interpreter:
             raise InstructionFailure("parse", str(exc)) from exc
 
     def _blob(self, digest: str) -> memoryview:
-        try:
-            return self.blobs[digest]
-        except KeyError:
-            raise InstructionFailure("parse", f"blob {digest[:12]}... was not delivered") from None
+        return _look_up(self.blobs, digest, lambda: f"blob {digest[:12]}... was not delivered")
 
     def _inside_workdir(self, path: str) -> Path:
         rel = protocol.check_relative_path(path)
