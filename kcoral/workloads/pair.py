@@ -46,20 +46,19 @@ from kcoral.workloads.harness import check_role
 from kcoral.workloads.session import OUTPUTS_KEPT, WARM_BATCHES, Reservoir, RoleResult, Session, fresh_seed
 
 SIDES: Final = ("a", "b")
-DEFAULT_TARGET_HALFWIDTH: Final = 0.005
-DEFAULT_BUDGET_S: Final = 20.0
-MIN_ROUNDS: Final = 6
-MAX_ROUNDS: Final = 200
 NULL_BATCHES: Final = 6
 
 
 @dataclass(frozen=True)
 class PairSettings:
+    """The remote pair's verdict threshold (``compare``'s) and its adaptive stop: sampling ends at a
+    relative half-width of 0.5%, after 20 s, or after 200 rounds (6 at least)."""
+
     threshold: float = DEFAULT_THRESHOLD
-    target_halfwidth: float = DEFAULT_TARGET_HALFWIDTH
-    budget_s: float = DEFAULT_BUDGET_S
-    min_rounds: int = MIN_ROUNDS
-    max_rounds: int = MAX_ROUNDS
+    target_halfwidth: float = 0.005
+    budget_s: float = 20.0
+    min_rounds: int = 6
+    max_rounds: int = 200
 
 
 @dataclass
