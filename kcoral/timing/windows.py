@@ -117,9 +117,8 @@ class WindowTimings:
         if not self.forged:
             return ""
         roles = Counter(role for role, _, _ in self.forged)
-        names = sorted({name or "?" for _, name, _ in self.forged})
         offsets = sorted(offset / 1e3 for _, _, offset in self.forged)
-        shown = ", ".join(names[:FOREIGN_NAMES_SHOWN]) + (", ..." if len(names) > FOREIGN_NAMES_SHOWN else "")
+        shown = _names_shown(name for _, name, _ in self.forged)
         by_role = ", ".join(f"{role} {count}" for role, count in sorted(roles.items()))
         middle = offsets[len(offsets) // 2]
         return (
@@ -128,9 +127,14 @@ class WindowTimings:
         )
 
     def foreign_summary(self) -> str:
-        names = sorted({name or "?" for _, _, name in self.foreign})
-        shown = ", ".join(names[:FOREIGN_NAMES_SHOWN]) + (", ..." if len(names) > FOREIGN_NAMES_SHOWN else "")
+        shown = _names_shown(name for _, _, name in self.foreign)
         return f"{len(self.foreign)} GPU activities ({self.foreign_ms:.4f} ms busy: {shown})"
+
+
+def _names_shown(names: Iterable[str]) -> str:
+    """The distinct activity names, in order, the first ``FOREIGN_NAMES_SHOWN`` of them."""
+    distinct = sorted({name or "?" for name in names})
+    return ", ".join(distinct[:FOREIGN_NAMES_SHOWN]) + (", ..." if len(distinct) > FOREIGN_NAMES_SHOWN else "")
 
 
 def attribute(
@@ -188,7 +192,7 @@ def attribute(
                 sentinels.add(activity.kind)
                 continue
             forged += 1
-            anchor = begins[position] if position >= 0 else (first_begin or activity.start_ns)
+            anchor = begins[position] if position >= 0 else begins[0] if begins else activity.start_ns
             forged_seen.append((role[0], activity.name or activity.kind, activity.start_ns - anchor))
             if not inside:
                 foreign.append((activity.start_ns, activity.end_ns, activity.name or activity.kind))
