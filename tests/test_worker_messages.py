@@ -200,7 +200,8 @@ def test_a_grant_names_the_holders_pid_its_spare_and_then_the_holder_gone() -> N
                 assert t.side.gpu_pids.exited([1], time.monotonic()) == []  # another GPU's holders: none
                 # The spare is announced (it becomes the slot's worker): no longer idle.
                 t.side.supervisor._handle_event(state, {"event": "forked", "worker": "w0-2", "pid": spare.pid})
-                assert t.side.supervisor.host_pids(0) == (spare.pid, None)
+                assert t.side.supervisor.worker_host_pid(0) == spare.pid
+                assert t.side.supervisor.gpu_spares([0], holder_slot=0) == []
         finally:
             for process in (worker, spare):
                 process.kill()

@@ -154,14 +154,12 @@ class Supervisor:
         the CUDA contexts of its next spares ahead only while its programs do."""
         self._command(slot, ZygoteCommand.RETIRE_WORKER, worker, **({"gpu": gpu_used} if gpu_used is not None else {}))
 
-    def host_pids(self, slot: int) -> tuple[int | None, int | None]:
-        """The host's pids (NVML's) of the slot's current worker and of its spare, where the zygote
-        named them (None where not, or not found): each is a child of the zygote, found by the pid
-        the zygote gave, read in the zygote's own pid namespace."""
+    def worker_host_pid(self, slot: int) -> int | None:
+        """The host's pid (NVML's outside the sandbox) of the slot's current worker, where the zygote
+        named it (None where not, or not found): a child of the zygote, found by the pid the zygote
+        gave, read in the zygote's own pid namespace. Its spare's: :meth:`gpu_spares`."""
         state = self.states.get(slot)
-        if state is None:
-            return None, None
-        return _host_pid(state, state.worker_pid), _host_pid(state, state.spare_pid)
+        return _host_pid(state, state.worker_pid) if state is not None else None
 
     def gpu_spares(self, gpus: Iterable[int], holder_slot: int) -> list[int]:
         """The spares of every slot on ``gpus``: their host pids (NVML's outside the sandbox), and for

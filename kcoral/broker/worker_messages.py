@@ -204,7 +204,7 @@ class WorkerMessages:
 
     def _grant(self, request: Request, worker: Worker) -> list[Any]:
         """GRANT: the request, and the GPU's processes known to run nothing (kcoral.broker.gpu_pids)."""
-        own, _ = self.supervisor.host_pids(worker.slot)
+        own = self.supervisor.worker_host_pid(worker.slot)
         self.holder_pids[worker.identity] = (own, tuple(request.gpu_ids))
         spares = self.supervisor.gpu_spares(request.gpu_ids, worker.slot)
         gpu_pids = self.gpu_pids.grant(request.gpu_ids, own, spares, time.monotonic())
