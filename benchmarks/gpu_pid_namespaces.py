@@ -96,18 +96,14 @@ def holders() -> list[dict[str, Any]]:
 
 
 def outside(nvml: Any, stop: threading.Event, into: list[dict[str, Any]]) -> None:
+    """The program's own NVML sample (PROGRAM's ``sample``), taken here, beside the GPU's holders."""
+    program: dict[str, Any] = {}
+    exec(PROGRAM, program)  # the same two NVML calls as inside the sandbox, not a copy of them
     nvml.nvmlInit()
     handle = nvml.nvmlDeviceGetHandleByIndex(0)
     since = int(time.time() * 1e6)
     while not stop.is_set():
-        running = sorted(int(p.pid) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-        try:
-            util: Any = sorted(
-                {(int(s.pid), int(s.smUtil)) for s in nvml.nvmlDeviceGetProcessUtilization(handle, since)}
-            )
-        except nvml.NVMLError as exc:
-            util = str(exc)
-        into.append({"running": running, "util": util, "holders": holders()})
+        into.append({**program["sample"](nvml, handle, since), "holders": holders()})
         stop.wait(0.25)
 
 
