@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -326,11 +327,10 @@ def router_hop(args: argparse.Namespace) -> int:
         rows, rates = alternate(args, {name: (url, None) for name, url in urls.items()})
         # The hop alone, without the fresh worker's noise: the client -> broker and broker ->
         # client phases of each program (its broker's timeline), alternated round by round too.
-        for index in range(args.rounds):
-            for name in list(urls)[:: -1 if index % 2 else 1]:
-                samples = phases(urls[name], max(1, args.requests // args.rounds))
-                ways = zip(samples["client -> broker (EXECUTE read)"], samples["broker -> client (FINAL read)"])
-                wire[name] += [there + back for there, back in ways]
+        for name in in_turn(list(urls), args.rounds):
+            samples = phases(urls[name], max(1, args.requests // args.rounds))
+            ways = zip(samples["client -> broker (EXECUTE read)"], samples["broker -> client (FINAL read)"])
+            wire[name] += [there + back for there, back in ways]
     print_table(
         f"The router's hop ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
         alternated_columns("path", args.in_flight),
@@ -345,6 +345,13 @@ def router_hop(args: argparse.Namespace) -> int:
     return 0
 
 
+def in_turn(names: list[str], rounds: int) -> Iterator[str]:
+    """Each of ``names`` once a round for ``rounds`` rounds, in the opposite order every other round
+    (so that neither is always measured first)."""
+    for index in range(rounds):
+        yield from (names[::-1] if index % 2 else names)
+
+
 def alternate(
     args: argparse.Namespace, brokers: dict[str, tuple[str, ClientKeys | None]]
 ) -> tuple[list[list[Any]], dict[str, list[float]]]:
@@ -354,12 +361,11 @@ def alternate(
     samples: dict[str, list[float]] = {name: [] for name in brokers}
     rates: dict[str, list[float]] = {name: [] for name in brokers}
     per_round = max(1, args.requests // args.rounds)
-    for index in range(args.rounds):
-        order = list(brokers.items())
-        for name, (url, key) in order[::-1] if index % 2 else order:
-            samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
-            rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
-            rates[name].append(rate)
+    for name in in_turn(list(brokers), args.rounds):
+        url, key = brokers[name]
+        samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
+        rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
+        rates[name].append(rate)
     rows: list[list[Any]] = []
     for name in brokers:
         stats = percentiles(samples[name])
