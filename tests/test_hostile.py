@@ -92,6 +92,16 @@ def wait_for(fd, count, wait_s):
         got += os.read(fd, count)
     return len(got)
 
+def populated(mib):
+    # Populated by the kernel in one call, written in one C call (the pages the kernel could not
+    # charge were left out of the mapping without a word: they fault in now).
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    mapping = mmap.mmap(-1, mib << 20, flags=flags)
+    start = ctypes.c_char.from_buffer(mapping)
+    ctypes.memset(ctypes.addressof(start), 1, mib << 20)
+    del start
+    return mapping
+
 def peak(children, hold_mib, burst_mib, wait_s):
     # Children of the worker's parent, each under the per-process limit, that hold memory under
     # the slot's limit together, then each take a burst at once that passes it, and give it back:
@@ -105,17 +115,12 @@ def peak(children, hold_mib, burst_mib, wait_s):
     release_r, release_w = os.pipe()
     for _ in range(children):
         if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
-            held = b"\\x01" * (hold_mib << 20)
+            # A raw clone of a threaded process: no malloc here, whose lock another thread of the
+            # worker may have held at the clone (a child hung in futex_do_wait so, 1 run in 4).
+            held = populated(hold_mib)
             os.write(ready_w, b"1")
             os.read(go_r, 1)
-            # Populated by the kernel in one call, written in one C call (the pages the kernel could
-            # not charge were left out of the mapping without a word: they fault in now) and
-            # unmapped at once: a few milliseconds.
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-            burst = mmap.mmap(-1, burst_mib << 20, flags=flags)
-            start = ctypes.c_char.from_buffer(burst)
-            ctypes.memset(ctypes.addressof(start), 1, burst_mib << 20)
-            del start
+            burst = populated(burst_mib)  # unmapped at once: a few milliseconds
             os.write(done_w, b"1")
             os.read(release_r, 1)
             burst.close()
