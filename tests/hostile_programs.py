@@ -31,12 +31,30 @@ def flood(seconds):
     return "done"
 """
 
+# populated(mib): memory written in one C call, for the children of a raw clone() of the threaded
+# worker, which must not call malloc: another thread of the worker may have held its lock at the
+# clone (a child that made a bytes object of its block hung in futex_do_wait, 1 run in 4 here).
+POPULATED = """
+def populated(mib):
+    # Populated by the kernel in one call, written in one C call (the pages the kernel could not
+    # charge were left out of the mapping without a word: they fault in now).
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    mapping = mmap.mmap(-1, mib << 20, flags=flags)
+    start = ctypes.c_char.from_buffer(mapping)
+    ctypes.memset(ctypes.addressof(start), 1, mib << 20)
+    del start
+    return mapping
+"""
+
 # spread(children, mib, hold_s): CLONE_PARENT children, each under the per-process memory limit,
 # together over the slot's; returns how many held their block.
-SPREAD = """
-import ctypes, os, time
+SPREAD = (
+    """
+import ctypes, mmap, os, time
 CLONE_PARENT, SIGCHLD, SYS_CLONE = 0x00008000, 17, 56  # x86_64
-
+"""
+    + POPULATED
+    + """
 def spread(children, mib, hold_s):
     # Children of the worker's parent, each under the per-process limit, together over the slot's.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -44,7 +62,7 @@ def spread(children, mib, hold_s):
     for _ in range(children):
         if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
             try:
-                block = b"\\x01" * (mib << 20)
+                block = populated(mib)
                 os.write(w, b"1")
                 time.sleep(hold_s)
             finally:
@@ -56,3 +74,4 @@ def spread(children, mib, hold_s):
     time.sleep(hold_s)
     return len(held)  # how many children held their block
 """
+)

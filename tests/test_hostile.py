@@ -20,7 +20,7 @@ import pytest
 from kcoral import Client, Program, ProgramResult
 from kcoral.sandbox.bubblewrap import SandboxUnavailable, check_bwrap
 from tests.conftest import RunningBroker, start_broker
-from tests.hostile_programs import FLOOD, SPREAD
+from tests.hostile_programs import FLOOD, POPULATED, SPREAD
 
 try:
     check_bwrap()
@@ -82,7 +82,8 @@ def test_memory_spread_over_clone_parent_children_does_not_complete(broker: Runn
     assert result.error is not None and "--memory-limit" in result.error["message"], result.error
 
 
-PEAK = """
+PEAK = (
+    """
 import ctypes, mmap, os, select, time
 CLONE_PARENT, SIGCHLD, SYS_CLONE = 0x00008000, 17, 56  # x86_64
 
@@ -92,16 +93,9 @@ def wait_for(fd, count, wait_s):
         got += os.read(fd, count)
     return len(got)
 
-def populated(mib):
-    # Populated by the kernel in one call, written in one C call (the pages the kernel could not
-    # charge were left out of the mapping without a word: they fault in now).
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    mapping = mmap.mmap(-1, mib << 20, flags=flags)
-    start = ctypes.c_char.from_buffer(mapping)
-    ctypes.memset(ctypes.addressof(start), 1, mib << 20)
-    del start
-    return mapping
-
+"""
+    + POPULATED
+    + """
 def peak(children, hold_mib, burst_mib, wait_s):
     # Children of the worker's parent, each under the per-process limit, that hold memory under
     # the slot's limit together, then each take a burst at once that passes it, and give it back:
@@ -115,9 +109,7 @@ def peak(children, hold_mib, burst_mib, wait_s):
     release_r, release_w = os.pipe()
     for _ in range(children):
         if libc.syscall(SYS_CLONE, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0) == 0:
-            # A raw clone of a threaded process: no malloc here, whose lock another thread of the
-            # worker may have held at the clone (a child hung in futex_do_wait so, 1 run in 4).
-            held = populated(hold_mib)
+            held = populated(hold_mib)  # no malloc in a raw clone's child (POPULATED)
             os.write(ready_w, b"1")
             os.read(go_r, 1)
             burst = populated(burst_mib)  # unmapped at once: a few milliseconds
@@ -133,6 +125,7 @@ def peak(children, hold_mib, burst_mib, wait_s):
     os.write(release_w, b"x" * children)
     return through
 """
+)
 
 
 def memory_cgroups_of(broker: RunningBroker) -> Path | None:
