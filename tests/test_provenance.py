@@ -60,11 +60,13 @@ def test_the_program_digests() -> None:
         "instructions": [
             {"op": "upload", "id": "m", "kind": "module", "source": "x = 1\n"},
             {"op": "upload", "id": "b", "kind": "bytes", "blob": "ab" * 32, "size": 3},
+            {"op": "upload", "id": "big", "kind": "module", "blob": "cd" * 32, "size": 5000},
         ]
     }
-    digests = program_digests(program, ["ab" * 32, "ab" * 32])
-    assert digests["modules"] == {"m": hashlib.sha256(b"x = 1\n").hexdigest()}
-    assert digests["blobs"] == ["ab" * 32]
+    digests = program_digests(program, ["ab" * 32, "ab" * 32, "cd" * 32])
+    # A source over INLINE_SOURCE_BYTES travels as a blob: its module is named by the blob's digest.
+    assert digests["modules"] == {"m": hashlib.sha256(b"x = 1\n").hexdigest(), "big": "cd" * 32}
+    assert digests["blobs"] == ["ab" * 32, "cd" * 32]
     assert digests["digest"] == program_digests(dict(program), [])["digest"]  # the same program, the same digest
     program["instructions"][0]["source"] = "x = 2\n"
     assert program_digests(program, [])["digest"] != digests["digest"]

@@ -110,15 +110,21 @@ def driver_from_smi() -> str | None:
 
 
 def program_digests(program: Mapping[str, Any], digests: Sequence[str]) -> dict[str, Any]:
-    """The program's fingerprint: the SHA-256 of its map as the broker packs it, of each inline
-    module source (by instruction id), and the digests of every blob it names."""
+    """The program's fingerprint: the SHA-256 of its map as the broker packs it, of each module's
+    source (by instruction id: inline, or the digest of the blob a source over
+    ``INLINE_SOURCE_BYTES`` travels as, which is the SHA-256 of the same bytes), and the digests of
+    every blob it names."""
     modules: dict[str, str] = {}
     for instruction in program.get("instructions") or ():
-        if not isinstance(instruction, Mapping):
+        if not isinstance(instruction, Mapping) or instruction.get("op") != "upload":
             continue
-        source = instruction.get("source")
-        if instruction.get("op") == "upload" and isinstance(source, str):
+        if instruction.get("kind") != "module":
+            continue
+        source, blob = instruction.get("source"), instruction.get("blob")
+        if isinstance(source, str):
             modules[str(instruction.get("id"))] = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
+        elif isinstance(blob, str):
+            modules[str(instruction.get("id"))] = blob
     return {
         "digest": hashlib.sha256(protocol.pack(dict(program))).hexdigest(),
         "modules": modules,
