@@ -120,9 +120,8 @@ def test_a_kernel_against_itself_is_same(gpu: tuple[ScriptedTracer, FakeNvml]) -
         assert result[side]["latency_ms_median"] == pytest.approx(0.5, rel=0.01)
         assert result[side]["samples"] == result["rounds"] * 2 * FAST["block"]
         assert result[side]["noise"] is not None and result[side]["outputs_checked"] >= 1
-    assert result["order"] == "abba" and result["block_orders"] == {
-        "ABBA": result["rounds"] + result["rounds_left_out"]
-    }
+    run = result["rounds"] + result["rounds_left_out"]
+    assert result["order"] == "abba" and result["block_orders"] == {"ABBA": (run + 1) // 2, "BAAB": run // 2}
     assert result["seed"] == 11 and result["method"] == "cupti"
     assert result["conditions_before"]["temperature_c"] == 41
     assert result["conditions_before"]["max_sm_clock_mhz"] == 1980
@@ -236,7 +235,11 @@ def test_cuda_events_time_the_rounds_where_asked(gpu: tuple[ScriptedTracer, Fake
     x = torch.ones(1 << 16)
     result = compare(lambda t: t * 2, lambda t: t * 2, x, config={**FAST, "method": "cuda_event", "budget_ms": 300})
     assert result["method"] == "cuda_event" and result["a"]["samples"] > 0
-    assert result["stop"]["reason"] in ("target", "budget") and result["verdict"] in ("same", "unclear")
+    assert result["stop"]["reason"] in ("target", "budget") and result["block_orders"].keys() == {"ABBA", "BAAB"}
+    # Host-timed 17 us CPU calls on a shared 2-core machine: the verdict is whatever the noise
+    # gives (at HEAD before the mirrored rounds it read `faster` in 6 of 6 runs here, after in 1
+    # of 6); the ratio itself stays near 1.
+    assert 0.9 < result["ratio"] < 1.1, result
 
 
 def test_a_steady_power_capped_clock_keeps_its_samples_and_its_verdict(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:

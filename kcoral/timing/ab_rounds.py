@@ -130,7 +130,7 @@ def run_rounds(
     began = trusted.perf_counter()
     stop: str | None = None
     while stop is None:
-        order = block_order(settings.order, trusted.randbelow)
+        order = block_order(settings.order, trusted.randbelow, len(done.orders))
         done.orders.append(order)
         kept: dict[str, list[float]] = {"A": [], "B": []}
         every: dict[str, list[float]] = {"A": [], "B": []}

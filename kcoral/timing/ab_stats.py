@@ -3,11 +3,15 @@ interval, the verdict, and when to stop sampling (pure: no GPU, no torch).
 
 The method, stated once:
 
-- The calls run in *rounds*; each round times A and B in blocks on the same inputs (``ABBA``, or
-  the four blocks ``AABB`` in a shuffled order). A round's ratio is the median of its B samples
-  over the median of its A samples. Pairing within the round cancels what A and B share at that
-  moment (a clock step, the other tenant of the host, thermal drift) instead of leaving it in the
-  noise of both sides.
+- The calls run in *rounds*; each round times A and B in blocks on the same inputs (``ABBA`` and
+  its mirror ``BAAB`` in turn, or the four blocks ``AABB`` in a shuffled order). A round's ratio
+  is the median of its B samples over the median of its A samples. The mirror matters: between
+  rounds the stop check leaves the GPU idle, and a block next to that gap does not run as one
+  between two blocks; with ``ABBA`` alone it was always A's (on the H200 a 16M add against itself
+  read B/A 1.0019, its interval [1.0005, 1.0034], and on the CPU the same callable read faster
+  than itself), so each side takes the outer blocks in every other round. Pairing within the
+  round cancels what A and B share at that moment (a clock step, the other tenant of the host,
+  thermal drift) instead of leaving it in the noise of both sides.
 - The estimate of B/A is the geometric mean of the round ratios, trimmed by ``TRIM`` at each end
   (a round hit by a context switch moves it little): ``exp(trimmed mean of log ratio)``.
 - Its interval is a percentile bootstrap over rounds: ``BOOTSTRAP_RESAMPLES`` resamples of the
@@ -209,10 +213,11 @@ def noise(samples_ms: Sequence[float]) -> float | None:
     return float(statistics.stdev(samples_ms) / mean) if mean > 0 else None
 
 
-def block_order(order: str, randbelow: Any) -> str:
-    """The four blocks of one round: ``ABBA``, or a shuffle of ``AABB`` (``randbelow(n)`` draws)."""
+def block_order(order: str, randbelow: Any, round_index: int = 0) -> str:
+    """The four blocks of round ``round_index``: ``ABBA`` in even rounds and ``BAAB`` in odd ones,
+    or a shuffle of ``AABB`` (``randbelow(n)`` draws)."""
     if order == "abba":
-        return "ABBA"
+        return "ABBA" if round_index % 2 == 0 else "BAAB"
     blocks = list("AABB")
     for i in range(len(blocks) - 1, 0, -1):
         j = randbelow(i + 1)

@@ -7,8 +7,9 @@ the timer, the probe, the clock warm-up, the launch hold), the same timed loop a
 rotated clones of the inputs, a sample of outputs checked) and the same findings
 (``timing.findings``). What ``compare`` adds:
 
-- rounds of four blocks, ``ABBA`` (or ``AABB`` shuffled), so that A and B meet the same
-  conditions; the statistics of the rounds are in ``timing.ab_stats`` (the method is stated there);
+- rounds of four blocks, ``ABBA`` and ``BAAB`` in turn (or ``AABB`` shuffled), so that A and B
+  meet the same conditions; the statistics of the rounds are in ``timing.ab_stats`` (the method
+  is stated there);
 - an adaptive stop: rounds go on until the interval of B/A is narrow enough (``target_halfwidth``),
   or the time budget (``budget_ms``) or the most rounds are spent, and the report says which;
 - the SM clock and clock-event reasons after every timed call (NVML, read in the gap after the
@@ -80,7 +81,7 @@ def compare(
     """Time ``a`` and ``b`` in interleaved rounds on the same inputs; is B faster than A?
 
     Both get the same arguments (rotated clones of CUDA tensors, as in ``benchmark``) or the same
-    ``inputs=`` factory, and every defence of ``benchmark``. Rounds of four blocks (``ABBA``) run
+    ``inputs=`` factory, and every defence of ``benchmark``. Rounds of four blocks (``ABBA``, ``BAAB``) run
     until the 95% interval of B/A is within ``target_halfwidth`` of its estimate, or the budget is
     spent. The answer:
 

@@ -4,7 +4,7 @@ Each candidate runs in a process of its own (``kcoral.workloads.runner``, starte
 for one candidate: ``kcoral.workloads.harness``), and the harness times both with its own clock:
 bracketed batches of calls on inputs it makes from fresh seeds and copies in just before each call.
 The two are compared in paired rounds as ``compare()`` does in a program (``kcoral.timing.ab_stats``
-states the method): each round brackets four batches, ``ABBA``, A's and B's on the *same* seeds
+states the method): each round brackets four batches, ``ABBA`` and ``BAAB`` in turn, A's and B's on the *same* seeds
 (the same inputs); a round's ratio is B's median net bracket over A's (a batch's per-call bracket
 less the null call's median, calibrated in A's process in the same run); rounds go on until the
 95% interval of B/A is within ``target_halfwidth`` or the budget is spent, and the verdict is
@@ -34,6 +34,7 @@ from kcoral.timing.ab_stats import (
     Interval,
     StopReason,
     answer,
+    block_order,
     noise,
     ratio_interval,
     round_ratio,
@@ -82,16 +83,18 @@ def paired_rounds(
     clock: Callable[[], float] = time.monotonic,
     new_seed: Callable[[], int] = fresh_seed,
 ) -> PairRounds:
-    """Rounds of ABBA batches on the same seeds; ``bracket_batch(side, seeds)`` is one batch's
+    """Rounds of ABBA and BAAB batches in turn, on the same seeds; ``bracket_batch(side, seeds)`` is one batch's
     per-call bracket (ms). Pure but for what it calls: CPU-testable with a stand-in."""
     done = PairRounds()
     began = clock()
     stop: str | None = None
+    rounds_run = 0
     while stop is None:
         seeds = [new_seed() for _ in range(batch)]
         got: dict[str, list[float]] = {side: [] for side in SIDES}
-        for side in "abba":
+        for side in block_order("abba", None, rounds_run).lower():  # ABBA and BAAB in turn
             got[side].append(bracket_batch(side, seeds) - null_ms)
+        rounds_run += 1
         for side in SIDES:
             done.net_ms[side].extend(got[side])
         ratio = round_ratio(got["a"], got["b"])
