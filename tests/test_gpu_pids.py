@@ -25,14 +25,24 @@ def pids():
 
     known = trust.armed().known_pids
     return {"known": known.to_wire() if known is not None else None, "pid": os.getpid()}
+
+
+def pids_again():
+    from kcoral.timing import trust
+
+    state = trust.armed()
+    at_grant = state.known_pids.to_wire()
+    ask = trust.ask_again(state)
+    later = ask() if ask is not None else None
+    return {"at_grant": at_grant, "later": later.to_wire() if later is not None else None, "pid": os.getpid()}
 """
 
 
-def pids_program() -> Program:
+def pids_program(name: str = "pids") -> Program:
     program = Program()
     module = program.upload(kind="module", source=SOURCE)
     # Not cpu_only: the run takes the GPU lease first, and with it the GRANT.
-    program.return_(key="pids", value=program.run(fn=program.get_function(module=module, name="pids")))
+    program.return_(key="pids", value=program.run(fn=program.get_function(module=module, name=name)))
     return program
 
 
@@ -99,3 +109,30 @@ def test_a_grant_names_the_spares_of_the_gpu_s_other_slots(broker_factory: Broke
     # The spares of both slots, alive below the broker, and the own slot's also by its sandbox pid
     # (a grant waits at most 0.25 s for a spare being forked: on a loaded host one can be late).
     assert any(host == 2 and count == (2 if sandbox == "none" else 3) for host, count, _ in seen), seen
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_the_holder_asks_again_and_learns_the_gpu_s_quiet_processes_now(
+    broker_factory: BrokerFactory, sandbox: str
+) -> None:
+    """The lease holder's second LEASE is answered at once with the GPU's quiet processes as they are
+    now (what the timer asks after a measurement that saw a process not named at the grant): the
+    other slot's spare and its current worker, which was never sent a program, both live below the
+    broker; what the grant named is kept."""
+    broker = broker_factory("--fake-gpus", "1", "--workers-per-gpu", "2", "--sandbox", sandbox)
+    with Client(broker.url) as client:
+        run_pids(client)  # both slots have forked their spares by the next programs
+        seen = []
+        for _ in range(3):
+            result = client.execute(pids_program("pids_again"), timeout_seconds=60)
+            assert result.status == "COMPLETED", result.error
+            pids = result.results["pids"]
+            at_grant, later = pids["at_grant"], pids["later"]
+            assert later is not None, pids
+            assert later["own"] == at_grant["own"] and set(at_grant["idle"]) <= set(later["idle"]), pids
+            below = {child.pid for child in psutil.Process(broker.process.pid).children(recursive=True)}
+            live = [pid for pid in later["idle"] if pid in below and worker_named(pid)]
+            seen.append((len(live), pids))
+        assert run_pids(client)["known"] is not None  # the broker serves on
+    # The other slot's worker and spare, and this slot's spare: three live workers at least once.
+    assert any(live >= 3 for live, _ in seen), seen

@@ -176,6 +176,18 @@ class Supervisor:
             pids += [state.spare_pid] if slot == holder_slot else []
         return pids
 
+    def gpu_workers(self, gpus: Iterable[int], holder_slot: int) -> list[tuple[WorkerId, int]]:
+        """The current workers of the other slots on ``gpus`` with their host pids: whether one is
+        idle (no program sent to it yet, so it has run nothing but its own code) is the pool's word."""
+        wanted = set(gpus)
+        found: list[tuple[WorkerId, int]] = []
+        for slot, state in self.states.items():
+            if slot == holder_slot or state.spec.gpu not in wanted or state.worker is None:
+                continue
+            host = _host_pid(state, state.worker_pid)
+            found += [(state.worker, host)] if host is not None else []
+        return found
+
     async def spares_named(self, gpus: Iterable[int], timeout: float) -> None:
         """:meth:`spare_named` for every slot on ``gpus`` at once: a slot whose worker went just now
         forks its next spare, which makes its CUDA context while the next lease holder measures."""

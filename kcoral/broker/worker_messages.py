@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -172,6 +173,12 @@ class WorkerMessages:
         self.port.worker_joined(worker)
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
+        if self.held_leases.get(worker.identity) == request.id:
+            # The holder asks again (its timer, after a measurement that saw a process it was not
+            # told of): GRANT again at once, with the GPU's quiet processes as they are now.
+            with contextlib.suppress(zmq.ZMQError):
+                send_now(self.backend, [worker.identity, *self._grant(request, worker)])
+            return
         if worker.identity in self.held_leases and self.sessions.of_worker(worker.identity) is not None:
             # A session's worker holds its GPUs' lease between its programs: granted at once.
             now = time.monotonic()
@@ -207,8 +214,22 @@ class WorkerMessages:
         own = self.supervisor.worker_host_pid(worker.slot)
         self.holder_pids[worker.identity] = (own, tuple(request.gpu_ids))
         spares = self.supervisor.gpu_spares(request.gpu_ids, worker.slot)
+        spares += self._idle_workers(request.gpu_ids, worker.slot)
         gpu_pids = self.gpu_pids.grant(request.gpu_ids, own, spares, time.monotonic())
         return protocol.message(protocol.GRANT, {"request_id": request.id, "gpu_pids": gpu_pids})
+
+    def _idle_workers(self, gpus: Iterable[int], holder_slot: int) -> list[int]:
+        """Host pids of the other slots' current workers on ``gpus`` that were never sent a
+        program: such a one has run only its own code (its CUDA context made ahead, say) since it
+        was forked, as a spare does. One reused between programs is not named."""
+        return [
+            pid
+            for identity, pid in self.supervisor.gpu_workers(gpus, holder_slot)
+            if (known := self.pool.workers.get(identity)) is not None
+            and known.request_id is None
+            and known.programs == 0
+            and identity not in self.held_leases
+        ]
 
     def _lease_gone(self, worker: WorkerId) -> None:
         """The worker's lease went back because it can run no more work: name it to the next holders."""

@@ -45,7 +45,7 @@ from kcoral.timing.inputs import (
 from kcoral.timing.nvml import SLOWDOWN_MASK, Nvml, clock_state, throttle_reason_names
 from kcoral.timing.stats import count_from_budget, summarize
 from kcoral.timing.timers import UNHELD_MEASURE, CuptiTimer, EventTimer, Measurement
-from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, describe_changes
+from kcoral.timing.trust import ArmedState, QuietInterpreter, armed, ask_again, describe_changes
 
 __all__ = ["DefenceTime", "benchmark", "measure"]
 
@@ -225,7 +225,7 @@ def _measure(setup: _Setup, ready: Calibration, nvml: Nvml | None, repeat: int) 
         with spent.step("environment"):
             now_us = int(time.time() * 1e6)
             watch = EnvironmentWatch.start(
-                nvml, trusted.enumerate_threads, state.threads_at_arm, now_us, state.known_pids
+                nvml, trusted.enumerate_threads, state.threads_at_arm, now_us, state.known_pids, ask_again(state)
             )
     kept = reservoir if defences else None
     counted = CountedCalls(runner, repeat, ready.hold_cycles, ready.hold_ns, ready.unheld, kept)

@@ -64,7 +64,7 @@ from kcoral.timing.nvml import Nvml
 from kcoral.timing.seeds import note_seed
 from kcoral.timing.stats import MAX_COUNT, count_from_budget
 from kcoral.timing.timers import CuptiTimer, EventTimer
-from kcoral.timing.trust import ArmedState
+from kcoral.timing.trust import ArmedState, ask_again
 
 SIDES: Final = ("a", "b")
 SEED_BITS: Final = 63
@@ -161,7 +161,12 @@ def _run(
 
     with spent.step("environment"):
         watch = EnvironmentWatch.start(
-            nvml, trusted.enumerate_threads, state.threads_at_arm, int(time.time() * 1e6), state.known_pids
+            nvml,
+            trusted.enumerate_threads,
+            state.threads_at_arm,
+            int(time.time() * 1e6),
+            state.known_pids,
+            ask_again(state),
         )
     done = run_rounds(trusted, sides, nvml, floor_mhz, settings, seed)
     ratios = done.ratios

@@ -129,6 +129,9 @@ class EnvironmentWatch:
     since_us: int
     pids_before: set[int] | None
     known: KnownPids | None = None
+    # The broker's word again, after the measurement (trust.known_pids_now): asked only where a busy
+    # process was not named at the grant.
+    ask_again: Callable[[], KnownPids | None] | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -139,10 +142,11 @@ class EnvironmentWatch:
         threads_at_arm: frozenset[threading.Thread],
         now_us: int,
         known: KnownPids | None = None,
+        ask_again: Callable[[], KnownPids | None] | None = None,
     ) -> EnvironmentWatch:
         """``known``: the broker's word on the GPU's other processes (None outside a worker)."""
         pids = nvml.running_pids() if nvml is not None else None
-        return cls(nvml, enumerate_threads, threads_at_arm, threading.current_thread(), now_us, pids, known)
+        return cls(nvml, enumerate_threads, threads_at_arm, threading.current_thread(), now_us, pids, known, ask_again)
 
     def finish(self) -> list[str]:
         reasons: list[str] = []
@@ -178,6 +182,11 @@ class EnvironmentWatch:
         # sandbox has one: os.getpid()), measured on the H200; the broker names its host pid.
         here = os.getpid()
         own = self.known.own if self.known is not None and self.known.own is not None else here
+        if self.ask_again is not None and any(pid not in excused and pid not in (own, here) for pid in busy):
+            # A spare forked on the GPU during the measurement was not named at the grant: ask again.
+            self.known = self.ask_again() or self.known
+            excused = self.known.excused(busy, running) if self.known is not None else {}
+            self.details["asked_again"] = True
         self.details["gpu_processes"] = {
             "before": sorted(self.pids_before) if self.pids_before is not None else None,
             "after": sorted(pids_after) if pids_after is not None else None,

@@ -14,16 +14,21 @@ the service keeps processes of its own on the GPU that run no one's work:
   ended before the grant), since a sample covers a period that began while it still ran.
 
 The broker sends their host pids with GRANT, and the holder's own (``own``), so that the findings
-need not guess which busy pid is theirs. Inside a sandbox with a pid namespace NVML names what the
-caller can see there (itself, its slot's spare) by the pids there, everything else by host pids
-(measured on the H200, ``benchmarks/gpu_pid_namespaces.py``): so the findings take ``os.getpid()``
-as theirs too, and ``idle`` also carries the holder's own slot's spare by its pid in the sandbox.
-They come from the broker's process table and the zygotes' reports alone, never from a program; the
-worker's lease channel records them at the grant, after any of the program's import-time code has
-run. An exited pid is left out only while NVML lists no context of it (a pid reused by a live
-process holding the GPU is counted again). Like the rest of the in-process timer, a program that
-rewrites the worker's state could forge them; the trusted path (``kcoral remote``) does not rely on
-them.
+need not guess which busy pid is theirs. ``idle`` also names the other slots' current workers that
+were never sent a program (they have run only the service's code). A slot whose worker exits while
+the holder measures forks its next spare then, after the grant: where NVML saw a busy process that
+the grant did not name, the findings ask the broker again through the lease channel (a second
+LEASE, answered at once) and join the two answers (``trust.ask_again``).
+
+Inside a sandbox with a pid namespace NVML names what the caller can see there (itself, its slot's
+spare) by the pids there, everything else by host pids (measured on the H200,
+``benchmarks/gpu_pid_namespaces.py``): so the findings take ``os.getpid()`` as theirs too, and
+``idle`` also carries the holder's own slot's spare by its pid in the sandbox. They come from the
+broker's process table and the zygotes' reports alone, never from a program; the worker's lease
+channel records them at the grant, after any of the program's import-time code has run. An exited
+pid is left out only while NVML lists no context of it (a pid reused by a live process holding the
+GPU is counted again). Like the rest of the in-process timer, a program that rewrites the worker's
+state could forge them; the trusted path (``kcoral remote``) does not rely on them.
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ class KnownPids:
             )
         except ValueError:
             return None
+
+    def joined(self, later: KnownPids) -> KnownPids:
+        """What both answers name: the same holder, the idle and exited processes of either."""
+        own = self.own if self.own is not None else later.own
+        return KnownPids(own=own, idle=self.idle | later.idle, exited=self.exited | later.exited)
 
     def to_wire(self) -> dict[str, Any]:
         return {"own": self.own, "idle": sorted(self.idle), "exited": sorted(self.exited)}

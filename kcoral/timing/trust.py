@@ -271,8 +271,10 @@ class ArmedState:
     in_worker: bool
     # cupti-python's module as imported at arm, where the tracer is made later (in a worker).
     cupti_module: Any = None
-    # What the broker's GRANT said of the GPU's other processes (kcoral.timing.neighbours).
+    # What the broker's GRANT said of the GPU's other processes (kcoral.timing.neighbours), and
+    # how to ask it again (the worker's lease channel: the broker's answer, as the wire has it).
     known_pids: KnownPids | None = None
+    ask_known_pids: Callable[[], Any] | None = None
 
     @property
     def cupti_ok(self) -> bool:
@@ -404,15 +406,34 @@ def arm_in_worker() -> None:
         return
     state.threads_at_arm = frozenset(threading.enumerate())
     state.armed_at = time.time()
-    state.known_pids = None
+    state.known_pids, state.ask_known_pids = None, None
 
 
-def note_grant(gpu_pids: Any) -> None:
-    """Keep the GRANT's ``gpu_pids`` (kcoral.timing.neighbours) for this program's measurements:
-    called by the worker's lease channel when the broker grants the lease, never by a program."""
+def note_grant(gpu_pids: Any, ask: Callable[[], Any] | None = None) -> None:
+    """Keep the GRANT's ``gpu_pids`` (kcoral.timing.neighbours) for this program's measurements,
+    and ``ask``, which gets them as they are now: called by the worker's lease channel when the
+    broker grants the lease, never by a program."""
     state = _ARMED
     if state is not None:
-        state.known_pids = KnownPids.from_wire(gpu_pids)
+        state.known_pids, state.ask_known_pids = KnownPids.from_wire(gpu_pids), ask
+
+
+def ask_again(state: ArmedState) -> Callable[[], KnownPids | None] | None:
+    """What the broker says of the GPU's other processes now, joined to what it said at the grant
+    (a spare forked while the program measured was not there to be named then); None outside a
+    worker's lease, and the call's None where the broker does not answer."""
+    ask = state.ask_known_pids
+    if ask is None:
+        return None
+
+    def now() -> KnownPids | None:
+        later = KnownPids.from_wire(ask())
+        if later is None or state.known_pids is None:
+            return None
+        state.known_pids = state.known_pids.joined(later)
+        return state.known_pids
+
+    return now
 
 
 def armed() -> ArmedState:

@@ -13,8 +13,6 @@ import mmap
 import os
 import stat
 import sys
-import threading
-import time
 import traceback
 import types
 from collections.abc import Callable, Mapping
@@ -22,12 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import zmq
-
 from kcoral import protocol
 from kcoral.errors import ExecutionError
 from kcoral.gpu_guard import GpuAccessGuard
-from kcoral.timing.trust import note_grant
+from kcoral.worker.lease import LeaseChannel
 
 # What one RESULT may hold (protocol.MAX_FRAMES and MAX_BODY_BYTES bound every message): the data
 # frames after its three header frames, and the returned values' share of its body, leaving the
@@ -73,63 +69,6 @@ def _look_up(table: Mapping[str, T], key: str, missing: Callable[[], str]) -> T:
         return table[key]
     except KeyError:
         raise InstructionFailure("parse", missing()) from None
-
-
-@dataclass
-class LeaseTimes:
-    wait_ms: float = 0.0
-    held_ms: float = 0.0
-
-
-class LeaseChannel:
-    """The worker's side of GPU leases: ask the broker once, before the program's first GPU run.
-
-    There is no release: the broker keeps the lease until the zygote reports that this process
-    and everything it started have exited, since until then they could still run work on the GPU
-    (a program could otherwise give the lease back and keep going). ``cpu_only`` runs before the
-    first GPU run hold nothing.
-    """
-
-    def __init__(
-        self,
-        socket: zmq.Socket[bytes] | None,
-        request_id: str,
-        gpu_ids: list[int],
-        lock: threading.Lock | None = None,
-    ) -> None:
-        self.socket = socket
-        self.request_id = request_id
-        self.gpu_ids = gpu_ids
-        self.times = LeaseTimes()
-        self.granted_at: float | None = None
-        # Held around every use of the socket: the output follower's thread sends on it too.
-        self.lock = lock or threading.Lock()
-
-    def needed(self) -> bool:
-        return self.socket is not None and bool(self.gpu_ids)
-
-    def acquire(self) -> None:
-        """Wait for the grant, once; later runs find it held."""
-        if self.granted_at is not None:
-            return
-        assert self.socket is not None
-        start = time.monotonic()
-        with self.lock:
-            self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
-            while True:
-                command, body, _ = protocol.split_message(self.socket.recv_multipart())
-                if command == protocol.GRANT and body.get("request_id") == self.request_id:
-                    break
-        # The broker's word on the GPU's other processes, for the findings of benchmark() and
-        # compare() (kcoral.timing.neighbours): taken here, after the program's import-time code.
-        note_grant(body.get("gpu_pids"))
-        self.granted_at = time.monotonic()
-        self.times.wait_ms += (self.granted_at - start) * 1000
-
-    def note_end(self) -> None:
-        """The program is over: count the time it held the lease (the broker measures its own)."""
-        if self.granted_at is not None:
-            self.times.held_ms = (time.monotonic() - self.granted_at) * 1000
 
 
 @dataclass

@@ -29,7 +29,8 @@ from kcoral.timing import seeds
 from kcoral.timing.trust import arm_in_worker as arm_timer
 from kcoral.worker import confinement, limits, processes
 from kcoral.worker.capture import OutputCapture, OutputFollower
-from kcoral.worker.interpreter import Interpreter, LeaseChannel, describe_exception
+from kcoral.worker.interpreter import Interpreter, describe_exception
+from kcoral.worker.lease import LeaseChannel
 from kcoral.worker.result_bounds import bounded_result, failed_body
 from kcoral.worker.run_directory import RunDirectory
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
