@@ -24,8 +24,8 @@
 # turn: cut at its limit, its counts differ by one at most), snapshot-gaps 20 s, remote-attacks what
 # is left (it needs about 2 minutes). What a budget cut leaves out runs in a second call:
 # PARTS="remote-honest remote-attacks".
-# PARTS (default: the six above, in that order; also compare-tests, gpu-programs and gpu-tests, at
-# the end) picks some; BROKER_FLAGS adds flags to the broker's
+# PARTS (default: the six above, in that order; also compare-tests, gpu-programs, session-programs,
+# cpu-path, cpu-session, router-hop, federation and gpu-tests, at the end) picks some; BROKER_FLAGS adds flags to the broker's
 # (a dry run on a machine whose venv has the tree installed editable: BROKER_FLAGS="--sandbox none",
 # SKIP_INSTALL=1). Logs and JSON go to a work folder; after
 # every part it is packed again as $OUT/evidence.tar.gz, beside $OUT/summary.txt and
@@ -148,7 +148,8 @@ part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${P
 # Parts that start brokers of their own: never in the default PARTS (the next session's call is
 # PARTS="suspect-rate compare-tests gpu-programs gpu-tests", about 6 minutes). The evidence broker
 # goes first, so that its idle workers and spares are not on the GPU beside them.
-if wanted compare-tests || wanted gpu-programs || wanted gpu-tests; then
+if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path ||
+    wanted cpu-session || wanted router-hop || wanted federation; then
     stop_broker
 fi
 # Issue 22: the self-compare under the verdict rule of 5dc442d (same in 10 of 10) and the provenance
@@ -160,6 +161,20 @@ part compare-tests "${COMPARE_TESTS_S:-120}" "${PYTEST[@]}" tests/gpu/test_compa
 part gpu-programs "${GPU_PROGRAMS_S:-120}" "$PY" benchmarks/gpu_programs.py --sequential 60 --concurrent 40 \
     --in-flight 8 --config defaults . "" --timing defaults --timing-runs 3 --floor-rounds 1 \
     --json "$OUT/gpu-programs.json"
+# Issue 21's speed goals beside their references, each in one run: the GPU program fresh and in a
+# client session (AsyncClient(session=True)) on the defaults; the CPU path (a constant program,
+# --device cpu, 16 workers: fresh workers with 16 in flight, then one session's phases); the
+# router's hop over a direct broker; one, two and three simulated broker hosts behind a router.
+part session-programs "${SESSION_S:-120}" "$PY" benchmarks/gpu_programs.py --sequential 60 --concurrent 40 \
+    --in-flight 8 --config defaults . "" --session defaults --floor-rounds 1 --json "$OUT/session-programs.json"
+part cpu-path "${CPU_PATH_S:-90}" "$PY" benchmarks/overhead.py --requests 400 --in-flight 16 \
+    --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-path.json"
+part cpu-session "${CPU_SESSION_S:-60}" "$PY" benchmarks/overhead.py --phases --session --requests 300 \
+    --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-session.json"
+part router-hop "${ROUTER_S:-90}" "$PY" benchmarks/overhead.py --router --requests 300 --rounds 3 \
+    --json "$OUT/router-hop.json"
+part federation "${FEDERATION_S:-120}" "$PY" benchmarks/federation.py --duration 15 --clients 16 \
+    --mix constant=1 --broker "--device cpu --workers 4" --json "$OUT/federation.json"
 # The GPU tests of the code moved since they last ran there (fresh contexts and sessions, the lease,
 # the timer through the service).
 part gpu-tests "${GPU_TESTS_S:-150}" "${PYTEST[@]}" tests/gpu/test_fresh_gpu.py tests/gpu/test_slot_gpu.py \

@@ -3,7 +3,7 @@ driver's floor measured in the same run.
 
     python benchmarks/gpu_programs.py [--sequential 60] [--concurrent 40] [--in-flight 8]
         [--config NAME CHECKOUT FLAGS ...] [--timing NAME[+churn] ...] [--timing-runs 4]
-        [--floor-rounds 3] [--json out.json]
+        [--floor-rounds 3] [--session NAME ...] [--json out.json]
 
 The program: a CUDA context (its first tensor on the GPU), an add of 1M floats, a synchronise, a
 float back; ``--sequential`` of them one at a time, then ``--concurrent`` with ``--in-flight`` at
@@ -15,7 +15,9 @@ and its flags (``--sandbox`` is the broker's default, bubblewrap, unless given),
 order given. ``--timing NAME`` also submits ``benchmarks/timing.py``'s honest workloads to that
 broker as separate programs (``--timing-runs`` each) and reports their medians' spread and worst
 single call; ``NAME+churn`` does it while a second client keeps programs that make and drop CUDA
-contexts on the same GPU running beside them (what spares made ahead do at worst).
+contexts on the same GPU running beside them (what spares made ahead do at worst). ``--session
+NAME`` measures that broker again through a client session (``AsyncClient(session=True)``: the
+client's programs share one worker and its CUDA context), and says how many workers served it.
 
 The floor (``--floor-rounds``, 0 for none): in this process, which imports torch and never
 initialises CUDA, fork K children at once (K = 1, 4, 8) that each make a context, run one add
@@ -80,11 +82,14 @@ def check(result: ProgramResult) -> None:
         raise RuntimeError(f"the GPU program failed: {result.error}")
 
 
-async def measure(url: str, sequential: int, concurrent: int, in_flight: int, device: str) -> dict[str, Any]:
+async def measure(
+    url: str, sequential: int, concurrent: int, in_flight: int, device: str, session: bool = False
+) -> dict[str, Any]:
     """The issue's measurement: ``sequential`` programs one at a time, then ``concurrent`` with
-    ``in_flight`` at once, through one AsyncClient (``device`` "cpu": a dry run without a GPU)."""
+    ``in_flight`` at once, through one AsyncClient (``device`` "cpu": a dry run without a GPU).
+    ``session``: the client's programs share one worker and its CUDA context (``session=True``)."""
     program = gpu_program(device)
-    async with AsyncClient(url) as client:
+    async with AsyncClient(url, session=session) as client:
         for _ in range(WARMUP_PROGRAMS):
             check(await client.execute(program, timeout_seconds=PROGRAM_TIMEOUT_S))
         await asyncio.sleep(SETTLE_SECONDS)
@@ -119,6 +124,8 @@ async def measure(url: str, sequential: int, concurrent: int, in_flight: int, de
         "concurrent_per_s": concurrent / elapsed,
         "concurrent_lease_wait_ms_p50": statistics.median(r.lease_wait_ms for _, r in many),
         "in_flight": in_flight,
+        "session": session,
+        "sessions_seen": len({r.worker.get("identity") for r in one_results if isinstance(r.worker, dict)}),
     }
 
 
@@ -247,6 +254,9 @@ def main() -> int:
     parser.add_argument("--timing-runs", type=int, default=4)
     parser.add_argument("--floor-rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--session", action="append", default=[], help="NAME: also measure that broker through a client session"
+    )
     args = parser.parse_args()
 
     here = Path(__file__).resolve().parent.parent
@@ -266,6 +276,10 @@ def main() -> int:
         try:
             with broker(*shlex.split(flags), checkout=None if tree == here else tree) as (url, _process):
                 entry.update(asyncio.run(measure(url, args.sequential, args.concurrent, args.in_flight, device)))
+                if name in args.session:
+                    entry["in_session"] = asyncio.run(
+                        measure(url, args.sequential, args.concurrent, args.in_flight, device, session=True)
+                    )
                 if device == "cuda":
                     entry["timing"] = [timing(url, args.timing_runs, churn) for churn in timed.get(name, [])]
         except Exception as exc:
@@ -303,6 +317,25 @@ def main() -> int:
         "per s",
     ]
     print_table(title, header, rows)
+    session_rows = [
+        [
+            name,
+            one["sequential"]["p50_ms"],
+            one["sequential"]["p99_ms"],
+            one["sessions_seen"],
+            one["concurrent"]["p50_ms"],
+            one["concurrent"]["p99_ms"],
+            one["concurrent_per_s"],
+        ]
+        for name, entry in report["configs"].items()
+        if (one := entry.get("in_session"))
+    ]
+    if session_rows:
+        print_table(
+            "The same program in one client session (AsyncClient(session=True): one worker, one CUDA context)",
+            ["broker", "seq p50 ms", "seq p99 ms", "workers seen", "8 in flight p50 ms", "p99 ms", "per s"],
+            session_rows,
+        )
     if "floor" in report:
         print_table(
             "The driver's floor: K children forked from a torch parent make a context and one add, then SIGKILL",
