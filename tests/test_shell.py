@@ -196,3 +196,22 @@ def test_a_send_to_an_unknown_peer_fails_at_once_and_replies_never_stall() -> No
         context.term()
 
     run(main)
+
+
+def test_the_shell_takes_every_service_setting_by_name() -> None:
+    """ShellSettings.of copies the properties of ServiceSettings named in SERVICE_SETTINGS: each
+    is a property of the protocol and a field of the dataclass, and comes across from both services."""
+    import dataclasses
+
+    from kcoral.broker.settings import BrokerSettings
+    from kcoral.router.settings import RouterSettings
+    from kcoral.service.shell import SERVICE_SETTINGS, ServiceSettings
+
+    properties = {name for name, value in vars(ServiceSettings).items() if isinstance(value, property)}
+    assert set(SERVICE_SETTINGS) <= properties  # the rest (max_request_bytes) is read by the services
+    assert set(SERVICE_SETTINGS) <= {f.name for f in dataclasses.fields(ShellSettings)}
+    broker = BrokerSettings(listen="tcp://127.0.0.1:1", metrics_listen="127.0.0.1:2", max_connections_per_address=3)
+    shell = ShellSettings.of(broker)
+    fields = (shell.listen, shell.metrics_listen, shell.max_connections_per_address)
+    assert fields == ("tcp://127.0.0.1:1", "127.0.0.1:2", 3)
+    assert ShellSettings.of(RouterSettings(listen="tcp://127.0.0.1:4")).listen == "tcp://127.0.0.1:4"

@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import structlog
 import zmq
@@ -162,6 +162,17 @@ class ServiceSettings(Protocol):
     def max_connections_per_address(self) -> int: ...
 
 
+# What ShellSettings.of takes from a service's settings: the properties of ServiceSettings.
+SERVICE_SETTINGS: Final = (
+    "listen",
+    "max_frame_bytes",
+    "security",
+    "insecure_listen_any",
+    "metrics_listen",
+    "max_connections_per_address",
+)
+
+
 @dataclass(frozen=True)
 class ShellSettings:
     """Where and how the client socket listens."""
@@ -183,15 +194,8 @@ class ShellSettings:
 
     @classmethod
     def of(cls, service: ServiceSettings) -> ShellSettings:
-        """The shell's part of a broker's or a router's settings."""
-        return cls(
-            listen=service.listen,
-            max_frame_bytes=service.max_frame_bytes,
-            security=service.security,
-            insecure_listen_any=service.insecure_listen_any,
-            metrics_listen=service.metrics_listen,
-            max_connections_per_address=service.max_connections_per_address,
-        )
+        """The shell's part of a broker's or a router's settings: the fields of ``ServiceSettings``."""
+        return cls(**{name: getattr(service, name) for name in SERVICE_SETTINGS})
 
 
 class ServiceShell(Generic[RequestT]):
