@@ -92,6 +92,9 @@ class SlotState:
     spare: WorkerId | None = None  # the spare forked ahead (event ``spare``), until announced or discarded
     spare_pid: int | None = None
     spare_waiters: list[asyncio.Event] = field(default_factory=list)  # spare_named's, set at ``spare``
+    # (zygote's host pid, pid in its namespace) -> host pid, for the current worker and spare only:
+    # every GRANT names them, and finding one reads /proc for each of the zygote's children.
+    host_pids: dict[tuple[int, int], int] = field(default_factory=dict)
     restarts: int = 0
     state: SlotPhase = SlotPhase.STARTING
     last_error: str = ""
@@ -102,11 +105,22 @@ class SlotState:
 
 
 def _host_pid(state: SlotState, inside: int | None) -> int | None:
-    """The host pid of the zygote's child that has pid ``inside`` in the zygote's namespace."""
+    """The host pid of the zygote's child that has pid ``inside`` in the zygote's namespace: found
+    once while that child is the slot's current worker or spare (a pid is not reused while its
+    process lives, and one that ended is dropped at the next look-up that finds another)."""
     zygote = state.zygote_host_pid
     if zygote is None or inside is None:
         return None
-    return processes.child_by_namespace_pid(zygote, inside)
+    key = (zygote, inside)
+    found = state.host_pids.get(key)
+    if found is None:
+        found = processes.child_by_namespace_pid(zygote, inside)
+        if found is None:
+            return None
+        current = {(zygote, pid) for pid in (state.worker_pid, state.spare_pid) if pid is not None}
+        state.host_pids = {k: v for k, v in state.host_pids.items() if k in current}
+        state.host_pids[key] = found
+    return found
 
 
 @dataclass
