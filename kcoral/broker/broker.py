@@ -301,7 +301,6 @@ class Broker:
             request.gpu_ids = tuple(sorted(choose_gpus(load, request.gpu_count, preferred)))
         request.state = RequestState.RUNNING
         request.started_at = time.monotonic()
-        request.conditions_at_start = self.provenance.at_start(request.gpu_ids)
         request.worker = worker
         worker.request_id = request.id
         worker.programs += 1
@@ -324,7 +323,10 @@ class Broker:
             request.state = RequestState.QUEUED
             self.queue.push_front(request)
             return
-        self.supervisor.program_started(worker.slot)
+        # Read while the worker starts on the program, not before the PROGRAM goes (NVML: a few
+        # calls per GPU), and its successor asked for where the slot may lack one.
+        request.conditions_at_start = self.provenance.at_start(request.gpu_ids)
+        self.supervisor.program_started(worker.slot, first=worker.programs == 1)
         request.timer = asyncio.get_running_loop().call_later(
             request.options.timeout_seconds, self._on_timeout, request
         )

@@ -156,10 +156,13 @@ class Supervisor:
             state.kill_asked = (target, time.monotonic())
         self._command(slot, ZygoteCommand.KILL_WORKER, worker, **({"next": "lazy"} if lazy_next else {}))
 
-    def program_started(self, slot: int) -> None:
+    def program_started(self, slot: int, *, first: bool = True) -> None:
         """The slot's worker has a program: its successor may be forked now, off the path from that
-        program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote)."""
-        self._command(slot, ZygoteCommand.FORK_SPARE)
+        program's end to the GPU's next holder (see kcoral.worker.zygote.Zygote). A reused worker's
+        later programs (a session's) ask again only where the slot has no spare named."""
+        state = self.states.get(slot)
+        if first or state is None or state.spare is None:
+            self._command(slot, ZygoteCommand.FORK_SPARE)
 
     def prepare_next_worker(self, slot: int, worker: WorkerId | None = None, *, gpu_used: bool | None = None) -> None:
         """The slot's worker (``worker``, where named) sent its last result: fork its successor now,
