@@ -136,3 +136,21 @@ def test_the_holder_asks_again_and_learns_the_gpu_s_quiet_processes_now(
         assert run_pids(client)["known"] is not None  # the broker serves on
     # The other slot's worker and spare, and this slot's spare: three live workers at least once.
     assert any(live >= 3 for live, _ in seen), seen
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_a_session_s_later_programs_get_the_grant_with_the_program(broker_factory: BrokerFactory, sandbox: str) -> None:
+    """A session's worker holds its GPU's lease between programs: the broker sends the GRANT's body
+    with each later PROGRAM (no LEASE round trip), and the timer has the GPU's quiet processes as
+    in any grant; the second ask goes through the session's lease too."""
+    broker = broker_factory("--fake-gpus", "1", "--workers-per-gpu", "2", "--sandbox", sandbox)
+    with Client(broker.url, session=True) as client:
+        first = run_pids(client)
+        later = [client.execute(pids_program("pids_again"), timeout_seconds=60) for _ in range(3)]
+    for result in later:
+        assert result.status == "COMPLETED", result.error
+        pids = result.results["pids"]
+        assert pids["pid"] == first["pid"], (first, pids)  # the session's one worker
+        assert pids["at_grant"]["own"] == first["known"]["own"], (first, pids)
+        assert pids["later"] is not None and pids["later"]["own"] == first["known"]["own"], pids
+        assert result.lease_wait_ms == 0.0, result.lease_wait_ms

@@ -313,6 +313,8 @@ class Broker:
             "blob_paths": paths,
             "max_response_bytes": self.settings.max_response_bytes,
         }
+        if request.gpu_ids and (grant := self.worker_messages.session_grant(request, worker)) is not None:
+            body["grant"] = grant  # the session holds the lease: no LEASE round trip for it
         try:
             message = protocol.message(protocol.PROGRAM, body, *frames)
             send_now(self.backend, [worker.identity, *message])

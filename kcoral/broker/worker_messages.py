@@ -179,12 +179,10 @@ class WorkerMessages:
             with contextlib.suppress(zmq.ZMQError):
                 send_now(self.backend, [worker.identity, *self._grant(request, worker)])
             return
-        if worker.identity in self.held_leases and self.sessions.of_worker(worker.identity) is not None:
+        if (body := self.session_grant(request, worker)) is not None:
             # A session's worker holds its GPUs' lease between its programs: granted at once.
-            now = time.monotonic()
-            request.lease_times = (now, now)
             with contextlib.suppress(zmq.ZMQError):
-                send_now(self.backend, [worker.identity, *self._grant(request, worker)])
+                send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, body)])
             return
         try:
             grant = await self.leases.acquire(request.id, request.gpu_ids)
@@ -209,14 +207,26 @@ class WorkerMessages:
         except zmq.ZMQError:
             self.leases.release(request.id)
 
+    def session_grant(self, request: Request, worker: Worker) -> dict[str, Any] | None:
+        """GRANT's body for a program of a session whose worker holds its GPUs' lease (it is
+        granted at once: the broker also sends it with the PROGRAM), or None for any other."""
+        if worker.identity not in self.held_leases or self.sessions.of_worker(worker.identity) is None:
+            return None
+        now = time.monotonic()
+        request.lease_times = (now, now)
+        return self._grant_body(request, worker)
+
     def _grant(self, request: Request, worker: Worker) -> list[Any]:
+        return protocol.message(protocol.GRANT, self._grant_body(request, worker))
+
+    def _grant_body(self, request: Request, worker: Worker) -> dict[str, Any]:
         """GRANT: the request, and the GPU's processes known to run nothing (kcoral.broker.gpu_pids)."""
         own = self.supervisor.worker_host_pid(worker.slot)
         self.holder_pids[worker.identity] = (own, tuple(request.gpu_ids))
         spares = self.supervisor.gpu_spares(request.gpu_ids, worker.slot)
         spares += self._idle_workers(request.gpu_ids, worker.slot)
         gpu_pids = self.gpu_pids.grant(request.gpu_ids, own, spares, time.monotonic())
-        return protocol.message(protocol.GRANT, {"request_id": request.id, "gpu_pids": gpu_pids})
+        return {"request_id": request.id, "gpu_pids": gpu_pids}
 
     def _idle_workers(self, gpus: Iterable[int], holder_slot: int) -> list[int]:
         """Host pids of the other slots' current workers on ``gpus`` that were never sent a

@@ -44,12 +44,15 @@ class LeaseChannel:
         request_id: str,
         gpu_ids: list[int],
         lock: threading.Lock | None = None,
+        grant: Any = None,
     ) -> None:
         self.socket = socket
         self.request_id = request_id
         self.gpu_ids = gpu_ids
         self.times = LeaseTimes()
         self.granted_at: float | None = None
+        # GRANT's body sent with the PROGRAM, where the worker holds the lease already (a session's).
+        self.grant = grant if isinstance(grant, dict) and grant.get("request_id") == request_id else None
         # Held around every use of the socket: the output follower's thread sends on it too.
         self.lock = lock or threading.Lock()
 
@@ -57,17 +60,20 @@ class LeaseChannel:
         return self.socket is not None and bool(self.gpu_ids)
 
     def acquire(self) -> None:
-        """Wait for the grant, once; later runs find it held."""
+        """Wait for the grant, once (not at all where it came with the PROGRAM); later runs find it
+        held."""
         if self.granted_at is not None:
             return
         assert self.socket is not None
         start = time.monotonic()
-        with self.lock:
-            self.socket.send_multipart(self._lease())
-            while True:
-                command, body, _ = protocol.split_message(self.socket.recv_multipart())
-                if command == protocol.GRANT and body.get("request_id") == self.request_id:
-                    break
+        body = self.grant
+        if body is None:
+            with self.lock:
+                self.socket.send_multipart(self._lease())
+                while True:
+                    command, body, _ = protocol.split_message(self.socket.recv_multipart())
+                    if command == protocol.GRANT and body.get("request_id") == self.request_id:
+                        break
         # The broker's word on the GPU's other processes, for the findings of benchmark() and
         # compare() (kcoral.timing.neighbours): taken here, after the program's import-time code.
         note_grant(body.get("gpu_pids"), self.refresh)

@@ -110,7 +110,7 @@ def execute_program(
     run_dir = workspace / f"run-{request_id}"
     directories = directories or RunDirectory(workspace)
     saved = None if last else ProcessState.capture()
-    lease = LeaseChannel(socket, request_id, gpu_ids, socket_lock)
+    lease = LeaseChannel(socket, request_id, gpu_ids, socket_lock, request.get("grant"))
     interpreter = Interpreter(request, blobs, run_dir, lease, progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
     capture = OutputCapture(run_dir / "output", output_limit)
