@@ -227,8 +227,9 @@ def check_provenance(provenance: dict[str, Any], request_id: str, blobs: list[st
     assert {"python", "torch", "cupti-python", "numpy", "driver", "cuda_driver"} <= set(versions)
     assert provenance["gpus"] == [] and provenance["gpu_conditions"] == {"start": None, "end": None}
     program = provenance["program"]
-    assert len(program["digest"]) == 64 and program["modules"] == {}  # the module came as a blob
-    assert program["blobs"] == blobs
+    # The module came as a blob: named by that blob's digest, which is among the program's blobs.
+    assert len(program["digest"]) == 64 and len(program["modules"]) == 1
+    assert program["blobs"] == blobs and set(program["modules"].values()) <= set(blobs)
     assert provenance["options"]["timeout_seconds"] == 60
     assert provenance["program_claims"]["seeds"] == {}
 
