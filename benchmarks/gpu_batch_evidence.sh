@@ -145,9 +145,10 @@ part snapshot-gaps "${GAPS_S:-45}" "${PYTEST[@]}" tests/gpu/test_snapshot_gaps_g
 part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${PYTEST[@]}" \
     tests/gpu/test_remote_attacks_gpu.py
 
-# Parts that start brokers of their own: never in the default PARTS (the next session's call is
-# PARTS="suspect-rate compare-tests gpu-programs gpu-tests", about 6 minutes). The evidence broker
-# goes first, so that its idle workers and spares are not on the GPU beside them.
+# Parts that start brokers of their own: never in the default PARTS (2026-12-02's second call ran
+# PARTS="suspect-rate compare-tests session-programs cpu-path cpu-session router-hop federation
+# gpu-tests" in 272 s). The evidence broker goes first, so that its idle workers and spares are not
+# on the GPU beside them. federation needs `ip` (iproute2), which the H200 host lacks.
 if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path ||
     wanted cpu-session || wanted router-hop || wanted federation; then
     stop_broker
