@@ -190,16 +190,14 @@ def execute_program(
         interpreter.lease.note_end()
         return ExecutionOutcome(body, interpreter.frames, retire, reason, notes)
     finally:
+        # The next program of this worker (reuse, or the client's session) finds the process state
+        # put back and the workspace empty, as a fresh worker would: at once, or (``wipe_later``)
+        # once the caller has sent the RESULT (the program's word), before it reads the next one.
+        later = wipe_later.append if wipe_later is not None else lambda step: step()
         if saved is not None:
-            saved.restore(run_dir)
+            later(lambda: saved.restore(run_dir))
         if not last:
-            # The next program of this worker (reuse, or the client's session) finds the
-            # workspace empty, as a fresh worker would: at once, or (``wipe_later``) once the
-            # caller has sent the RESULT, before it reads the next program.
-            if wipe_later is None:
-                directories.wipe(run_dir)
-            else:
-                wipe_later.append(lambda: directories.wipe(run_dir))
+            later(lambda: directories.wipe(run_dir))
         # A last program's directory goes with the slot's workspace, which the zygote wipes after
         # this process has exited and before the next worker is announced: off the program's path
         # (removing its five directories here took 5 to 25 ms before the RESULT on the loaded
