@@ -212,8 +212,9 @@ class WorkerMessages:
         granted at once: the broker also sends it with the PROGRAM), or None for any other."""
         if worker.identity not in self.held_leases or self.sessions.of_worker(worker.identity) is None:
             return None
-        now = time.monotonic()
-        request.lease_times = (now, now)
+        if request.lease_times is None:  # a second ask keeps the first grant's times
+            now = time.monotonic()
+            request.lease_times = (now, now)
         return self._grant_body(request, worker)
 
     def _grant(self, request: Request, worker: Worker) -> list[Any]:

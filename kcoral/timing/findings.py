@@ -129,7 +129,7 @@ class EnvironmentWatch:
     since_us: int
     pids_before: set[int] | None
     known: KnownPids | None = None
-    # The broker's word again, after the measurement (trust.known_pids_now): asked only where a busy
+    # The broker's word again, after the measurement (trust.ask_again): asked only where a busy
     # process was not named at the grant.
     ask_again: Callable[[], KnownPids | None] | None = None
     details: dict[str, Any] = field(default_factory=dict)
