@@ -173,14 +173,14 @@ class WorkerMessages:
         self.port.worker_joined(worker)
 
     async def _grant_lease(self, request: Request, worker: Worker) -> None:
+        # Granted at once where the worker holds the lease already: the holder asking again (its
+        # timer, after a measurement that saw a process it was not told of), or a session's worker,
+        # which holds its GPUs' lease between its programs. The GPU's quiet processes as they are now.
         if self.held_leases.get(worker.identity) == request.id:
-            # The holder asks again (its timer, after a measurement that saw a process it was not
-            # told of): GRANT again at once, with the GPU's quiet processes as they are now.
-            with contextlib.suppress(zmq.ZMQError):
-                send_now(self.backend, [worker.identity, *self._grant(request, worker)])
-            return
-        if (body := self.session_grant(request, worker)) is not None:
-            # A session's worker holds its GPUs' lease between its programs: granted at once.
+            body: dict[str, Any] | None = self._grant_body(request, worker)
+        else:
+            body = self.session_grant(request, worker)
+        if body is not None:
             with contextlib.suppress(zmq.ZMQError):
                 send_now(self.backend, [worker.identity, *protocol.message(protocol.GRANT, body)])
             return
@@ -236,10 +236,7 @@ class WorkerMessages:
         return [
             pid
             for identity, pid in self.supervisor.gpu_workers(gpus, holder_slot)
-            if (known := self.pool.workers.get(identity)) is not None
-            and known.request_id is None
-            and known.programs == 0
-            and identity not in self.held_leases
+            if (known := self.pool.workers.get(identity)) is not None and known.programs == 0
         ]
 
     def _lease_gone(self, worker: WorkerId) -> None:

@@ -66,14 +66,8 @@ class LeaseChannel:
             return
         assert self.socket is not None
         start = time.monotonic()
-        body = self.grant
-        if body is None:
-            with self.lock:
-                self.socket.send_multipart(self._lease())
-                while True:
-                    command, body, _ = protocol.split_message(self.socket.recv_multipart())
-                    if command == protocol.GRANT and body.get("request_id") == self.request_id:
-                        break
+        body = self.grant if self.grant is not None else self._ask(None)
+        assert body is not None  # without a deadline, _ask returns only with the GRANT
         # The broker's word on the GPU's other processes, for the findings of benchmark() and
         # compare() (kcoral.timing.neighbours): taken here, after the program's import-time code.
         note_grant(body.get("gpu_pids"), self.refresh)
@@ -85,21 +79,25 @@ class LeaseChannel:
         once), or None where no answer came within ``REFRESH_TIMEOUT_MS`` or the lease is not held."""
         if self.socket is None or self.granted_at is None:
             return None
-        deadline = time.monotonic() + REFRESH_TIMEOUT_MS / 1000
-        with self.lock:
-            self.socket.send_multipart(self._lease())
-            while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-                if not self.socket.poll(left_ms):
-                    break
-                command, body, _ = protocol.split_message(self.socket.recv_multipart())
-                if command == protocol.GRANT and body.get("request_id") == self.request_id:
-                    return body.get("gpu_pids")
-        return None
+        body = self._ask(time.monotonic() + REFRESH_TIMEOUT_MS / 1000)
+        return body.get("gpu_pids") if body is not None else None
 
     def note_end(self) -> None:
         """The program is over: count the time it held the lease (the broker measures its own)."""
         if self.granted_at is not None:
             self.times.held_ms = (time.monotonic() - self.granted_at) * 1000
 
-    def _lease(self) -> list[Any]:
-        return protocol.message(protocol.LEASE, {"request_id": self.request_id})
+    def _ask(self, deadline: float | None) -> dict[str, Any] | None:
+        """Send LEASE and read until this program's GRANT (its body), or None at ``deadline``
+        (monotonic; None: wait as long as it takes)."""
+        assert self.socket is not None
+        with self.lock:
+            self.socket.send_multipart(protocol.message(protocol.LEASE, {"request_id": self.request_id}))
+            while True:
+                if deadline is not None:
+                    left_ms = int((deadline - time.monotonic()) * 1000)
+                    if left_ms <= 0 or not self.socket.poll(left_ms):
+                        return None
+                command, body, _ = protocol.split_message(self.socket.recv_multipart())
+                if command == protocol.GRANT and body.get("request_id") == self.request_id:
+                    return body
