@@ -237,6 +237,13 @@ def floor(rounds: int) -> dict[str, Any]:
 # --- the run ----------------------------------------------------------------------------------------
 
 
+def figures(measured: dict[str, Any], middle: str) -> list[Any]:
+    """A table row's figures of one measurement: one at a time (p50, p99), ``middle``, then with
+    several in flight (p50, p99, programs per second)."""
+    one, many, rate = measured["sequential"], measured["concurrent"], measured["concurrent_per_s"]
+    return [one["p50_ms"], one["p99_ms"], measured[middle], many["p50_ms"], many["p99_ms"], rate]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequential", type=int, default=60)
@@ -294,18 +301,7 @@ def main() -> int:
         if "error" in entry:
             rows.append([name, entry["flags"], "failed", "", "", "", "", ""])
             continue
-        rows.append(
-            [
-                name,
-                entry["flags"] or "(defaults)",
-                entry["sequential"]["p50_ms"],
-                entry["sequential"]["p99_ms"],
-                entry["sequential_lease_wait_ms_p50"],
-                entry["concurrent"]["p50_ms"],
-                entry["concurrent"]["p99_ms"],
-                entry["concurrent_per_s"],
-            ]
-        )
+        rows.append([name, entry["flags"] or "(defaults)", *figures(entry, "sequential_lease_wait_ms_p50")])
     header = [
         "broker",
         "flags",
@@ -318,15 +314,7 @@ def main() -> int:
     ]
     print_table(title, header, rows)
     session_rows = [
-        [
-            name,
-            one["sequential"]["p50_ms"],
-            one["sequential"]["p99_ms"],
-            one["sessions_seen"],
-            one["concurrent"]["p50_ms"],
-            one["concurrent"]["p99_ms"],
-            one["concurrent_per_s"],
-        ]
+        [name, *figures(one, "sessions_seen")]
         for name, entry in report["configs"].items()
         if (one := entry.get("in_session"))
     ]

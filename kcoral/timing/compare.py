@@ -81,9 +81,9 @@ def compare(
     """Time ``a`` and ``b`` in interleaved rounds on the same inputs; is B faster than A?
 
     Both get the same arguments (rotated clones of CUDA tensors, as in ``benchmark``) or the same
-    ``inputs=`` factory, and every defence of ``benchmark``. Rounds of four blocks (``ABBA``, ``BAAB``) run
-    until the 95% interval of B/A is within ``target_halfwidth`` of its estimate, or the budget is
-    spent. The answer:
+    ``inputs=`` factory, and every defence of ``benchmark``. Rounds of four blocks (``ABBA``,
+    ``BAAB``) run until the 95% interval of B/A is within ``target_halfwidth`` of its estimate, or the
+    budget is spent. The answer:
 
     - ``verdict``: ``faster`` (B takes less time than A), ``slower``, ``same`` (the interval lies
       within ``threshold`` of 1, or holds 1 at a half-width of at most ``threshold``) or

@@ -4,8 +4,8 @@ Each candidate runs in a process of its own (``kcoral.workloads.runner``, starte
 for one candidate: ``kcoral.workloads.harness``), and the harness times both with its own clock:
 bracketed batches of calls on inputs it makes from fresh seeds and copies in just before each call.
 The two are compared in paired rounds as ``compare()`` does in a program (``kcoral.timing.ab_stats``
-states the method): each round brackets four batches, ``ABBA`` and ``BAAB`` in turn, A's and B's on the *same* seeds
-(the same inputs); a round's ratio is B's median net bracket over A's (a batch's per-call bracket
+states the method): each round brackets four batches, ``ABBA`` and ``BAAB`` in turn, A's and B's on
+the *same* seeds (the same inputs); a round's ratio is B's median net bracket over A's (a batch's per-call bracket
 less the null call's median, calibrated in A's process in the same run); rounds go on until the
 95% interval of B/A is within ``target_halfwidth`` or the budget is spent, and the verdict is
 ``faster``, ``slower``, ``same`` or ``unclear`` against the threshold (0.5%).
@@ -83,8 +83,8 @@ def paired_rounds(
     clock: Callable[[], float] = time.monotonic,
     new_seed: Callable[[], int] = fresh_seed,
 ) -> PairRounds:
-    """Rounds of ABBA and BAAB batches in turn, on the same seeds; ``bracket_batch(side, seeds)`` is one batch's
-    per-call bracket (ms). Pure but for what it calls: CPU-testable with a stand-in."""
+    """Rounds of ABBA and BAAB batches in turn, on the same seeds; ``bracket_batch(side, seeds)`` is
+    one batch's per-call bracket (ms). Pure but for what it calls: CPU-testable with a stand-in."""
     done = PairRounds()
     began = clock()
     stop: str | None = None
