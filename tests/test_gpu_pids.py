@@ -35,6 +35,23 @@ def pids_again():
     ask = trust.ask_again(state)
     later = ask() if ask is not None else None
     return {"at_grant": at_grant, "later": later.to_wire() if later is not None else None, "pid": os.getpid()}
+
+def helper_asks_again():
+    import subprocess
+    import sys
+    import time
+
+    from kcoral.timing import trust
+
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        ask = trust.ask_again(trust.armed())
+        later = ask() if ask is not None else None
+        return {"helper": helper.pid, "later": later.to_wire() if later is not None else None}
+    finally:
+        helper.kill()
+        helper.wait()
 """
 
 
@@ -157,3 +174,19 @@ def test_a_session_s_later_programs_get_the_grant_with_the_program(broker_factor
         assert pids["at_grant"]["own"] == first["known"]["own"], (first, pids)
         assert pids["later"] is not None and pids["later"]["own"] == first["known"]["own"], pids
         assert result.lease_wait_ms == 0.0, result.lease_wait_ms
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_a_process_the_program_started_is_never_named_quiet(broker_factory: BrokerFactory, sandbox: str) -> None:
+    """The second ask is answered from the broker's own tables: a process the program started (which
+    could launch GPU work of its own) is named neither at the grant nor when asked again, by its pid
+    in the sandbox or on the host."""
+    broker = broker_factory("--fake-gpus", "1", "--workers-per-gpu", "2", "--sandbox", sandbox)
+    with Client(broker.url) as client:
+        run_pids(client)
+        result = client.execute(pids_program("helper_asks_again"), timeout_seconds=60)
+    assert result.status == "COMPLETED", result.error
+    found = result.results["pids"]
+    assert found["later"] is not None, found
+    assert found["helper"] not in found["later"]["idle"] + found["later"]["exited"], found
+    assert found["later"]["idle"], found  # the quiet processes are named, only not the program's own
