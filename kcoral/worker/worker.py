@@ -31,6 +31,7 @@ from kcoral.worker import confinement, limits, processes
 from kcoral.worker.capture import OutputCapture, OutputFollower
 from kcoral.worker.interpreter import Interpreter, describe_exception
 from kcoral.worker.lease import LeaseChannel
+from kcoral.worker.rehearsal import rehearse
 from kcoral.worker.result_bounds import bounded_result, failed_body
 from kcoral.worker.run_directory import RunDirectory
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
@@ -233,6 +234,9 @@ def run_worker(settings: WorkerSettings) -> int:
     # For the RESULTs (_send_result): made while no program is here, its sockets and threads
     # only after the first program; a reused worker keeps it for the next ones.
     results = zmq.Context()
+    # While the slot's current program runs (a spare) or before READY: the pages the first
+    # program's path writes, copied now rather than on that path (kcoral.worker.rehearsal).
+    rehearse(program_claims)
     if settings.go_fd is not None:
         # A spare waits here, connected, while the program before it runs. EOF: the zygote is gone.
         announced = bool(os.read(settings.go_fd, 1))  # Python retries a read a signal interrupts
@@ -281,6 +285,7 @@ def run_worker(settings: WorkerSettings) -> int:
             # use; not before, while a spare beside the previous program (see the zygote).
             processes.set_dumpable(True)
             wipe_later: list[Callable[[], None]] = []
+            threads_before = thread_ids()
             try:
                 outcome = _execute_message(body, data, settings, socket, wipe_later, directories, follower)
             except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
@@ -318,7 +323,11 @@ def run_worker(settings: WorkerSettings) -> int:
             }
             packed, frames = bounded_result(outcome.body, outcome.frames)
             message = [protocol.VERSION, protocol.RESULT, packed, *frames]
-            _send_result(results, settings, done, message, wait=not reusable)
+            # The worker's own socket where no thread but the worker's is left (none of the
+            # program's can use it then), else a connection of its own (_send_result).
+            threads_after = thread_ids()
+            alone = threads_before is not None and threads_after is not None and threads_after <= threads_before
+            _send_result(results, settings, done, message, wait=not reusable, own=socket if alone else None)
             done += 1
             if not reusable:
                 return 0
@@ -326,19 +335,41 @@ def run_worker(settings: WorkerSettings) -> int:
                 wipe()
     finally:
         results.term()
-        # What is still queued here is output and PROGRESS (the RESULT went on its own socket):
-        # a program's flood of them is dropped, not waited for.
+        # What is still queued here is output and PROGRESS (the RESULT went on its own socket, or
+        # on this one, closed then with a linger of its own): a program's flood of them is
+        # dropped, not waited for.
         socket.close(linger=0)
         context.term()
 
 
+def thread_ids() -> frozenset[int] | None:
+    """Every thread of this process now, by the kernel's ids (threads started in C as well as
+    Python's); None where ``/proc`` cannot be read."""
+    try:
+        return frozenset(int(name) for name in os.listdir("/proc/self/task"))
+    except (OSError, ValueError):
+        return None
+
+
 def _send_result(
-    context: zmq.Context[Any], settings: WorkerSettings, number: int, message: list[Any], *, wait: bool
+    context: zmq.Context[Any],
+    settings: WorkerSettings,
+    number: int,
+    message: list[Any],
+    *,
+    wait: bool,
+    own: zmq.Socket[Any] | None = None,
 ) -> None:
-    """Send a RESULT on a connection of its own (protocol.RESULT_IDENTITY_SEPARATOR), made now
-    (after the program's last instruction): a program's threads that flood the worker's socket can
-    neither delay it nor interleave with it (a zmq socket is not for two threads). ``context`` is
-    for RESULTs alone (made while the worker was idle), so that ending it waits for nothing else.
+    """Send a RESULT on the worker's own socket (``own``: the caller found no thread left but the
+    worker's, so none of the program's can be sending on it), or else on a connection of its own
+    (protocol.RESULT_IDENTITY_SEPARATOR), made now (after the program's last instruction): a
+    program's threads that flood the worker's socket can neither delay it nor interleave with it
+    (a zmq socket is not for two threads; ``tests/test_hostile.py``). The worker's socket is
+    connected already: a new connection's handshake cost 1.2 ms of a fresh worker's RESULT on the
+    2-core VM (``benchmarks/RESULTS.md``, "A fresh worker's RESULT"). ``context`` is for RESULTs
+    on connections of their own (made while the worker was idle), so that ending it waits for
+    nothing else; a RESULT on the worker's socket waits, at the worker's end, behind what the
+    program itself queued there before it returned.
 
     ``wait``: end the context, which returns once the RESULT is delivered, so that the worker's
     exit cannot lose it. A worker that goes on (``wait`` false: its program reusable, so no thread
@@ -349,6 +380,15 @@ def _send_result(
     3.6 ms under load (``benchmarks/RESULTS.md``, "Where a constant program's time goes"). A later
     program of the worker that closes the kept context's descriptors loses its own RESULT with the
     worker (its exit, or its timeout), as one that closes the worker's socket does; no other's."""
+    if own is not None and not own.closed:  # a program may have closed it (tests/test_slot.py)
+        try:
+            own.send_multipart(message, copy=False)
+        except zmq.ZMQError:
+            pass  # not sent: on a connection of its own, below
+        else:
+            if wait:
+                own.close(linger=RESULT_LINGER_MS)  # the worker's context, ended at its exit, waits for it
+            return
     result = context.socket(zmq.DEALER)
     identity = protocol.worker_id(settings.identity) + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
     result.setsockopt(zmq.IDENTITY, identity)
@@ -457,7 +497,9 @@ def _execute_message(
 
         lock = threading.Lock()  # the output follower's thread shares the socket
 
-        sent_at = [0.0]
+        # The first index goes to the broker only once the program has run PROGRESS_INTERVAL_SECONDS:
+        # a short program's whole run costs no PROGRESS (the board has its index all the same).
+        sent_at = [time.monotonic()]
 
         def progress(index: int) -> None:
             processes.note_progress(index)  # survives the worker, unlike a message still queued
