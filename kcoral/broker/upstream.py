@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.keys import ClientKeys
-from kcoral.service.sockets import receive_forever, send_now
+from kcoral.service.sockets import YIELD_EVERY_MESSAGES, Inbox, receive_forever, send_now
 from kcoral.service.tasks import TaskSet
 
 log = structlog.get_logger("kcoral.upstream")
@@ -185,22 +185,35 @@ class UpstreamLink:
 
     async def _serve_link(self, sock: zmq.asyncio.Socket) -> str:
         """Register, heartbeat and relay until the link is lost; return why it was."""
+        inbox = Inbox(sock)  # closed before the socket (_drop_link comes after)
+        try:
+            return await self._serve_inbox(inbox)
+        finally:
+            inbox.close()
+
+    async def _serve_inbox(self, inbox: Inbox) -> str:
         interval = protocol.HEARTBEAT_INTERVAL_SECONDS
         liveness = interval * protocol.HEARTBEAT_LIVENESS
         last_heard = time.monotonic()
         next_beat = 0.0  # register at once
+        in_a_row = 0
         while True:
             now = time.monotonic()
             if now >= next_beat:
                 self._beat()
                 next_beat = now + interval
-            if await sock.poll(max(1, int((next_beat - now) * 1000))):
-                frames = await sock.recv_multipart(copy=False)
+            frames = await inbox.receive(max(0.001, next_beat - now))
+            if frames is not None:
                 last_heard = time.monotonic()
                 reason = self._on_router_message(frames)
                 if reason is not None:
                     return reason
+                in_a_row += 1
+                if in_a_row >= YIELD_EVERY_MESSAGES:  # a flood from the router starves nothing here
+                    in_a_row = 0
+                    await asyncio.sleep(0)
                 continue
+            in_a_row = 0
             # Checked only when nothing is waiting to be read: after this loop was blocked (by the
             # broker storing a large upload), the router's heartbeats are still in the socket.
             silent = time.monotonic() - last_heard
