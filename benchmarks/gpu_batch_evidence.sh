@@ -25,7 +25,11 @@
 # is left (it needs about 2 minutes). What a budget cut leaves out runs in a second call:
 # PARTS="remote-honest remote-attacks".
 # PARTS (default: the six above, in that order; also compare-tests, gpu-programs, session-programs,
-# cpu-path, cpu-session, router-hop, federation and gpu-tests, at the end) picks some; BROKER_FLAGS adds flags to the broker's
+# cpu-path, cpu-session, router-hop, federation, broker-profile and gpu-tests, at the end, and with
+# BASE (a tree of an older commit, say a worktree carried beside this one) cpu-against,
+# cpu-session-against and session-against, this tree against BASE alternated in one run) picks
+# some; tools carried in .devtools/bin (`ip` of iproute2 for federation, `py-spy` for
+# broker-profile) go on PATH; BROKER_FLAGS adds flags to the broker's
 # (a dry run on a machine whose venv has the tree installed editable: BROKER_FLAGS="--sandbox none",
 # SKIP_INSTALL=1). Logs and JSON go to a work folder; after
 # every part it is packed again as $OUT/evidence.tar.gz, beside $OUT/summary.txt and
@@ -39,6 +43,8 @@ WORK=$(mktemp -d /tmp/kcoral-evidence.XXXXXX)
 OUT="$WORK/evidence"
 # shellcheck source=gpu_batch_common.sh source-path=SCRIPTDIR
 source "$(dirname "$0")/gpu_batch_common.sh"
+[ -d .devtools/bin ] && export PATH="$PWD/.devtools/bin:$PATH"
+BASE=${BASE:-}
 BUDGET_S=${BUDGET_S:-540}
 PARTS=${PARTS:-suspect-rate busy-service compare remote-honest snapshot-gaps remote-attacks}
 PORT=${EVIDENCE_PORT:-5611}
@@ -150,7 +156,8 @@ part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${P
 # gpu-tests" in 272 s). The evidence broker goes first, so that its idle workers and spares are not
 # on the GPU beside them. federation needs `ip` (iproute2), which the H200 host lacks.
 if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path ||
-    wanted cpu-session || wanted router-hop || wanted federation; then
+    wanted cpu-session || wanted router-hop || wanted federation || wanted broker-profile ||
+    wanted cpu-against || wanted cpu-session-against || wanted session-against; then
     stop_broker
 fi
 # Issue 22: the self-compare under the verdict rule of 5dc442d (same in 10 of 10) and the provenance
@@ -174,8 +181,27 @@ part cpu-session "${CPU_SESSION_S:-60}" "$PY" benchmarks/overhead.py --phases --
     --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-session.json"
 part router-hop "${ROUTER_S:-90}" "$PY" benchmarks/overhead.py --router --requests 300 --rounds 3 \
     --json "$OUT/router-hop.json"
-part federation "${FEDERATION_S:-120}" "$PY" benchmarks/federation.py --duration 15 --clients 16 \
-    --mix constant=1 --broker "--device cpu --workers 4" --json "$OUT/federation.json"
+# The federation's mix: FEDERATION_MIX (default: the load generator's own, mostly programs of a
+# fixed length, so that its rate is the slots' and not one process's CPU).
+FEDERATION_MIX=${FEDERATION_MIX:-constant=4,sleep:0.05=3,lease:0.02=3,tensor:256K=2,crash=1,raise=1,timeout:1=1}
+part federation "${FEDERATION_S:-120}" "$PY" benchmarks/federation.py --duration "${FEDERATION_DURATION:-15}" \
+    --clients 16 --mix "$FEDERATION_MIX" --broker "${FEDERATION_BROKER:---fake-gpus 2 --workers-per-gpu 2}" \
+    --json "$OUT/federation.json"
+# The same goals against BASE, alternated round by round in one run: the CPU path fresh and in one
+# session (16 workers, 16 in flight; the broker's and the client's CPU per program beside each), and
+# the GPU program in a session (and fresh) on the defaults. Then where a busy broker's CPU goes.
+if [ -n "$BASE" ]; then
+    part cpu-against "${CPU_AGAINST_S:-150}" "$PY" benchmarks/overhead.py --against "$BASE" --rounds 4 \
+        --requests 400 --in-flight 16 --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-against.json"
+    part cpu-session-against "${CPU_SESSION_AGAINST_S:-90}" "$PY" benchmarks/overhead.py --against "$BASE" \
+        --session --rounds 4 --requests 800 --in-flight 16 --broker-flags "--device cpu --workers 16" \
+        --json "$OUT/cpu-session-against.json"
+    part session-against "${SESSION_AGAINST_S:-150}" "$PY" benchmarks/gpu_programs.py --sequential 60 \
+        --concurrent 40 --in-flight 8 --config before "$BASE" "" --config after . "" --session before \
+        --session after --floor-rounds 1 --json "$OUT/session-against.json"
+fi
+part broker-profile "${PROFILE_S:-60}" "$PY" benchmarks/broker_profile.py --broker-flags "--device cpu --workers 16" \
+    --in-flight 16 --seconds 10 --raw "$OUT/broker-profile.txt"
 # The GPU tests of the code moved since they last ran there (fresh contexts and sessions, the lease,
 # the timer through the service).
 part gpu-tests "${GPU_TESTS_S:-150}" "${PYTEST[@]}" tests/gpu/test_fresh_gpu.py tests/gpu/test_slot_gpu.py \

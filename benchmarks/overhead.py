@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import threading
@@ -299,14 +300,36 @@ def curve_cost(args: argparse.Namespace) -> int:
 
 def alternated_columns(first: str, in_flight: int) -> list[str]:
     """The columns of a table of ``alternate``'s rows, ``first`` naming what each row measured."""
-    return [first, "n", "constant p50 ms", "p99 ms", f"programs/s, {in_flight} in flight (median)", "one at a time/s"]
+    return [
+        first,
+        "n",
+        "constant p50 ms",
+        "p99 ms",
+        f"programs/s, {in_flight} in flight (median)",
+        "one at a time/s",
+        "broker CPU ms/program",
+        "client CPU ms/program",
+    ]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU of a process (all its threads) so far, from ``/proc``; 0 where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def against(args: argparse.Namespace) -> int:
     """The constant program's p50 and the rate with N in flight, on this checkout and on ``--against``."""
     flags = args.broker_flags.split()
-    with broker(*flags, checkout=args.against.resolve()) as (other_url, _), broker(*flags) as (this_url, _):
-        rows, rates = alternate(args, {"other": (other_url, None), "this": (this_url, None)})
+    with (
+        broker(*flags, checkout=args.against.resolve()) as (other_url, other),
+        broker(*flags) as (this_url, this),
+    ):
+        pids = {"other": other.pid, "this": this.pid}
+        rows, rates = alternate(args, {"other": (other_url, None), "this": (this_url, None)}, pids)
     print_table(
         f"This checkout against {args.against} ({machine()}, broker: {args.broker_flags}, "
         f"{args.rounds} alternating rounds)",
@@ -353,25 +376,44 @@ def in_turn(names: list[str], rounds: int) -> Iterator[str]:
 
 
 def alternate(
-    args: argparse.Namespace, brokers: dict[str, tuple[str, ClientKeys | None]]
+    args: argparse.Namespace,
+    brokers: dict[str, tuple[str, ClientKeys | None]],
+    pids: dict[str, int] | None = None,
 ) -> tuple[list[list[Any]], dict[str, list[float]]]:
     """``args.rounds`` rounds, each measuring every broker in turn (in the opposite order every other
-    round): rows of (name, n, p50, p99, median rate in flight, rate one at a time) and the rates
-    of each round."""
+    round): rows of (name, n, p50, p99, median rate in flight, rate one at a time, the broker's
+    and this client's CPU per program in flight) and the rates of each round. ``pids``: the
+    brokers' processes (their CPU is read from ``/proc``; without, that column is empty)."""
     samples: dict[str, list[float]] = {name: [] for name in brokers}
     rates: dict[str, list[float]] = {name: [] for name in brokers}
+    cpu: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in brokers}  # broker s, client s, programs
     per_round = max(1, args.requests // args.rounds)
     for name in in_turn(list(brokers), args.rounds):
         url, key = brokers[name]
         samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
+        pid = (pids or {}).get(name)
+        broker_before, client_before = process_cpu_seconds(pid) if pid else 0.0, time.process_time()
         rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
+        cpu[name][0] += (process_cpu_seconds(pid) - broker_before) if pid else 0.0
+        cpu[name][1] += time.process_time() - client_before
+        cpu[name][2] += per_round * 2
         rates[name].append(rate)
     rows: list[list[Any]] = []
     for name in brokers:
         stats = percentiles(samples[name])
         one_at_a_time = 1000 * len(samples[name]) / sum(samples[name])
+        broker_s, client_s, programs = cpu[name]
         rows.append(
-            [name, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], float(np.median(rates[name])), one_at_a_time]
+            [
+                name,
+                int(stats["n"]),
+                stats["p50_ms"],
+                stats["p99_ms"],
+                float(np.median(rates[name])),
+                one_at_a_time,
+                1000 * broker_s / programs if pids else float("nan"),
+                1000 * client_s / programs,
+            ]
         )
     return rows, rates
 
