@@ -6,7 +6,8 @@
 One ``AsyncClient`` keeps ``--in-flight`` constant programs in flight for ``--seconds``; meanwhile
 ``py-spy record --format raw`` samples the broker's Python thread (``py-spy`` on PATH; without it
 only the CPU figures are printed). Printed: programs per second, the broker's CPU per program
-(all its threads, from ``/proc``, so zmq's I/O threads too) and this client's, and the functions
+(all its threads, from ``/proc``, so zmq's I/O threads too), this client's and the whole machine's
+(every process: the zygotes forking and reaping the workers, the workers), and the functions
 the broker's thread was in when busy (its own time, then with what it called), idle samples (the
 event loop waiting) left out. The throughput goal of the CPU path (1,000 programs a second with
 16 workers) needs a broker that spends under a millisecond of CPU on each program.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -74,7 +76,18 @@ def read_samples(raw: Path) -> tuple[Counter[str], Counter[str], int]:
     return own, within, total
 
 
-async def measure(args: argparse.Namespace, url: str, pid: int, raw: Path) -> tuple[int, float, float]:
+def machine_busy_seconds() -> float:
+    """CPU time every core of this machine has spent busy so far (``/proc/stat``: all but idle and
+    iowait), in seconds; 0 where unreadable."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(args: argparse.Namespace, url: str, pid: int, raw: Path) -> tuple[int, float, float, float]:
     started = asyncio.Event()
     load = asyncio.create_task(keep_busy(url, args.in_flight, args.seconds, args.session, started))
     await started.wait()
@@ -84,12 +97,13 @@ async def measure(args: argparse.Namespace, url: str, pid: int, raw: Path) -> tu
         command = [spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate", "1000"]
         command += ["--format", "raw", "--nonblocking", "--output", str(raw)]
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    broker_before, client_before = process_cpu_seconds(pid), time.process_time()
+    broker_before, client_before, busy_before = process_cpu_seconds(pid), time.process_time(), machine_busy_seconds()
     done = await load
     broker_cpu, client_cpu = process_cpu_seconds(pid) - broker_before, time.process_time() - client_before
+    machine_cpu = machine_busy_seconds() - busy_before
     if recorder is not None:
         recorder.wait(timeout=args.seconds + 30)
-    return done, broker_cpu, client_cpu
+    return done, broker_cpu, client_cpu, machine_cpu
 
 
 def main() -> int:
@@ -103,10 +117,14 @@ def main() -> int:
     args = parser.parse_args()
     raw = args.raw or Path(tempfile.mkdtemp(prefix="kcoral-profile-")) / "broker.txt"
     with broker(*args.broker_flags.split()) as (url, process):
-        done, broker_cpu, client_cpu = asyncio.run(measure(args, url, process.pid, raw))
+        done, broker_cpu, client_cpu, machine_cpu = asyncio.run(measure(args, url, process.pid, raw))
     title = f"{machine()}, broker: {args.broker_flags}{' (one session)' if args.session else ''}"
     print(f"{done / args.seconds:.1f} programs/s with {args.in_flight} in flight ({title})")
-    print(f"CPU per program: broker {1000 * broker_cpu / done:.3f} ms, client {1000 * client_cpu / done:.3f} ms")
+    print(
+        f"CPU per program: broker {1000 * broker_cpu / done:.3f} ms, client {1000 * client_cpu / done:.3f} ms, "
+        f"the whole machine {1000 * machine_cpu / done:.3f} ms (py-spy's samples included; "
+        f"{machine_cpu / args.seconds:.1f} of {os.cpu_count()} cores busy)"
+    )
     if not raw.exists():
         print("no samples (py-spy not on PATH, or it could not attach)")
         return 0

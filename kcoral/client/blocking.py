@@ -70,7 +70,7 @@ class Client:
     def open(self) -> None:
         if self._loop is not None:
             return
-        loop = asyncio.new_event_loop()
+        loop = _new_loop()
         thread = threading.Thread(target=loop.run_forever, name="kcoral-client", daemon=True)
         thread.start()
         self._loop, self._thread = loop, thread
@@ -157,6 +157,17 @@ class Client:
             future.cancel()
             finished.wait(INTERRUPT_WAIT_SECONDS)
             raise
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """The client's own event loop, on its own thread: uvloop's where it is installed (it hands a
+    call from the caller's thread to the loop's, and a reply back, in less time than asyncio's:
+    ``benchmarks/RESULTS.md``, "The loop's own sockets"), else asyncio's. No other code runs on it."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _is_terminal(stream: Any) -> bool:
