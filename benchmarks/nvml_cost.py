@@ -27,8 +27,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    import pynvml
-
+    try:
+        import pynvml  # the gpu extra (nvidia-ml-py)
+    except ImportError:
+        print("nvml_cost.py needs the gpu extra (nvidia-ml-py)", file=sys.stderr)
+        return 2
     pynvml.nvmlInit()
     handle = pynvml.nvmlDeviceGetHandleByIndex(0)
     calls = {
