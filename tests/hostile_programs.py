@@ -4,20 +4,24 @@
 
 from __future__ import annotations
 
-# flood(seconds): PROGRESS from a thread of the program's own, on the worker's socket, which goes
-# on after the function returns.
+# flood(seconds, how): PROGRESS from a thread of the program's own, on the worker's socket. how:
+# "thread" (a threading.Thread, which goes on after the function returns), "unseen" (started with
+# _thread, which threading never lists, and goes on too), "joined" (stopped and joined before the
+# function returns: what it queued is still in the socket when the worker sends its RESULT).
 FLOOD = """
-import gc, os, threading, time
+import _thread, gc, os, threading, time
 import zmq
 from kcoral import protocol
 
-def flood(seconds):
+def flood(seconds, how="thread"):
     # The worker's own socket, found the way any code in its process can find it.
     sockets = [o for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed]
     body = protocol.message(protocol.PROGRESS, {"request_id": os.environ["KCORAL_REQUEST_ID"], "index": 0})
 
+    stop = threading.Event()
+
     def run():
-        while True:
+        while not stop.is_set():
             for sock in sockets:
                 try:
                     sock.send_multipart(body, zmq.NOBLOCK)
@@ -25,9 +29,16 @@ def flood(seconds):
                     pass
 
     # One thread (two on one zmq socket crash libzmq: the program's own doing), which goes on
-    # after the function returns, while the worker sends its RESULT.
-    threading.Thread(target=run, daemon=True).start()
+    # after the function returns, while the worker sends its RESULT (but "joined").
+    if how == "unseen":
+        _thread.start_new_thread(run, ())
+    else:
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
     time.sleep(seconds)
+    if how == "joined":
+        stop.set()
+        thread.join()
     return "done"
 """
 
