@@ -1,20 +1,20 @@
 """Socket helpers shared by the broker, the router and the upstream relay.
 
-A socket that :func:`receive_forever` reads is read and written without pyzmq's asyncio futures:
-the loop watches the socket's file descriptor itself and takes every queued message with a
-non-blocking receive, and :func:`send_now` sends on it at once, non-blocking. The futures cost
-more of the broker's loop than anything of ours: about a fifth of its busy time with 8 programs in
-flight, in their event handler, their re-arming and the enum flags they build
-(``benchmarks/RESULTS.md``, "The loop's own sockets"). So with ROUTER_MANDATORY an unreachable
-peer, or a full queue, raises ``zmq.ZMQError`` here and now.
+A socket with an :class:`Inbox` (every socket :func:`receive_forever` reads) is read and written
+without pyzmq's asyncio futures: the loop watches the socket's file descriptor itself and takes
+every queued message with a non-blocking receive, and :func:`send_now` sends on it at once,
+non-blocking. The futures cost more of the broker's loop than anything of ours: about a fifth of
+its busy time with 8 programs in flight, in their event handler, their re-arming and the enum
+flags they build (``benchmarks/RESULTS.md``, "The loop's own sockets"). So with ROUTER_MANDATORY
+an unreachable peer, or a full queue, raises ``zmq.ZMQError`` here and now.
 
 The file descriptor is edge-triggered, and any operation on the socket (a send as well) can take
 the edge that announced incoming messages: after each send, :func:`send_now` looks at the socket's
 events again and wakes its reader where a message waits, so that a queued message never waits for
 the next one to arrive (without it, 8 programs in flight stalled for seconds; see
-zeromq/pyzmq#1208 for the same in pyzmq's own futures). A socket no loop here reads (the upstream
-relay's link, which polls it) is sent on through pyzmq's asyncio ``send_multipart`` with NOBLOCK,
-its future read at once.
+zeromq/pyzmq#1208 for the same in pyzmq's own futures). The upstream relay's link, which it
+reads with a deadline (its heartbeats), has an :class:`Inbox` of its own. A socket without one is
+sent on through pyzmq's asyncio ``send_multipart`` with NOBLOCK, its future read at once.
 """
 
 from __future__ import annotations
