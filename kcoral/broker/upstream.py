@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.keys import ClientKeys
-from kcoral.service.sockets import YIELD_EVERY_MESSAGES, Inbox, receive_forever, send_now
+from kcoral.service.sockets import YIELD_EVERY_MESSAGES, Inbox, close_inbox, open_inbox, receive_forever, send_now
 from kcoral.service.tasks import TaskSet
 
 log = structlog.get_logger("kcoral.upstream")
@@ -185,11 +185,11 @@ class UpstreamLink:
 
     async def _serve_link(self, sock: zmq.asyncio.Socket) -> str:
         """Register, heartbeat and relay until the link is lost; return why it was."""
-        inbox = Inbox(sock)  # closed before the socket (_drop_link comes after)
+        inbox = open_inbox(sock)  # closed before the socket (_drop_link comes after)
         try:
             return await self._serve_inbox(inbox)
         finally:
-            inbox.close()
+            close_inbox(inbox)
 
     async def _serve_inbox(self, inbox: Inbox) -> str:
         interval = protocol.HEARTBEAT_INTERVAL_SECONDS

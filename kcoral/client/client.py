@@ -33,6 +33,7 @@ from kcoral.client.reach import Unresolvable, check_resolves, silence_reason
 from kcoral.client.replies import build_result, final_result, progress_event, result_map
 from kcoral.client.result import ProgramResult
 from kcoral.errors import KCoralError, ProtocolError, TransportError
+from kcoral.inbox import Inbox
 from kcoral.keys import ClientKeys
 
 URL_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -126,6 +127,7 @@ class AsyncClient:
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._inbox: Inbox | None = None  # the socket's reading and writing, without pyzmq's futures
         self._pending: dict[str, asyncio.Queue[tuple[bytes, dict[str, Any], list[Any]]]] = {}
         self._executing: set[str] = set()  # EXECUTEs sent and not yet answered by a FINAL
         self._cancels_sent = 0
@@ -173,6 +175,7 @@ class AsyncClient:
             await self.aclose()
             raise
         self._state = ClientState.OPENED
+        self._inbox = Inbox(socket)
         self._reader = asyncio.create_task(self._read_loop())
         try:
             await asyncio.wait_for(self._first_health(), self.connect_timeout_seconds)
@@ -226,6 +229,8 @@ class AsyncClient:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
+        if self._inbox is not None:
+            self._inbox.close()  # before the socket
         if self._socket is not None:
             self._socket.close(linger=CANCEL_LINGER_MS if self._cancels_sent else 0)
         if self._context is not None:
@@ -334,7 +339,8 @@ class AsyncClient:
                 )
         with map_zmq_errors(body.get("request_id")):
             async with self._send_lock:
-                await self._socket.send_multipart(message, copy=False)
+                assert self._inbox is not None
+                await self._inbox.send_waiting(message, copy=False)
 
     async def _send_blobs(
         self,
@@ -421,12 +427,14 @@ class AsyncClient:
             return command, reply, frames
 
     async def _read_loop(self) -> None:
-        assert self._socket is not None
+        assert self._inbox is not None
         while True:
             try:
-                raw = await self._socket.recv_multipart(copy=False)
+                raw = await self._inbox.receive()
             except zmq.ZMQError:
                 return
+            if raw is None:
+                return  # the inbox is closed
             self._last_heard = time.monotonic()
             try:
                 command, body, frames = protocol.split_message([f.buffer for f in raw])
