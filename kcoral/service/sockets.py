@@ -80,8 +80,6 @@ async def receive_forever(sock: zmq.asyncio.Socket, handle: MessageHandler, fail
     in_a_row = 0
     try:
         while True:
-            if not inbox.waiting():
-                in_a_row = 0
             frames = await inbox.receive()
             if frames is None:
                 return  # closed
