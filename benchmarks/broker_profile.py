@@ -28,8 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import broker, constant_program, machine, print_table
-from benchmarks.overhead import process_cpu_seconds
+from benchmarks.common import (
+    broker,
+    constant_program,
+    machine,
+    machine_busy_seconds,
+    print_table,
+    process_cpu_seconds,
+)
 from kcoral import AsyncClient
 
 # The frames a sample of the waiting event loop ends in: not the broker's work.
@@ -74,17 +80,6 @@ def read_samples(raw: Path) -> tuple[Counter[str], Counter[str], int]:
         for frame in set(frames):
             within[frame] += int(count)
     return own, within, total
-
-
-def machine_busy_seconds() -> float:
-    """CPU time every core of this machine has spent busy so far (``/proc/stat``: all but idle and
-    iowait), in seconds; 0 where unreadable."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(args: argparse.Namespace, url: str, pid: int, raw: Path) -> tuple[int, float, float, float]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from kcoral import Program
 from kcoral.broker.target import list_gpus
@@ -125,6 +126,24 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User and system CPU of one process (all its threads) so far; 0 where it cannot be read.
+    For a process with everything below it: ``benchmarks/spawn.py``'s ``service_cpu_seconds``."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
+
+
+def machine_busy_seconds() -> float:
+    """CPU time every core of this machine has spent busy so far: user, nice, system, interrupts
+    and steal (``/proc/stat``'s guest time is in user's already)."""
+    times = psutil.cpu_times()
+    busy = ("user", "nice", "system", "irq", "softirq", "steal")
+    return float(sum(getattr(times, name, 0.0) for name in busy))
 
 
 def machine() -> str:

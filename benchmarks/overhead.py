@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 import threading
@@ -60,6 +59,7 @@ from benchmarks.common import (
     percentiles,
     plot_latencies,
     print_table,
+    process_cpu_seconds,
     progress,
     routed_broker,
     save_json,
@@ -310,15 +310,6 @@ def alternated_columns(first: str, in_flight: int) -> list[str]:
         "broker CPU ms/program",
         "client CPU ms/program",
     ]
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User and system CPU of a process (all its threads) so far, from ``/proc``; 0 where unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def against(args: argparse.Namespace) -> int:
