@@ -33,6 +33,7 @@ BUBBLEWRAP = pytest.param(
 )
 FLAGS = ("--fake-gpus", "1", "--workers-per-gpu", "2", "--memory-limit", "1g", "--max-processes", "64")
 TIMEOUT_S = 60.0
+PEAK_TRIES = 3
 
 
 @pytest.fixture(scope="module", params=["none", BUBBLEWRAP])
@@ -132,6 +133,19 @@ def peak(children, hold_mib, burst_mib, wait_s):
 )
 
 
+def run_peak(url: str) -> ProgramResult:
+    """PEAK's result, tried again while its children were not ready within 5 s: they never held
+    their memory, so no burst came and nothing was over the limit to catch. Seen twice on the
+    loaded 2-core CI machine, never in 60 runs here beside two busy cores; the cause is not known
+    (a raw clone copies no lock state: a child that allocates while one of the worker's zmq
+    threads holds the allocator's lock waits forever). Any other COMPLETED result is a miss."""
+    for _ in range(PEAK_TRIES):
+        result = execute(url, program_of(PEAK, "peak", 3, 300, 60, 5.0))
+        if result.error is not None or result.results.get("out") != "not ready":
+            return result
+    return result
+
+
 def memory_cgroups_of(broker: RunningBroker) -> Path | None:
     """The broker's memory cgroup directory, where it has one (HEALTH's ``memory_accounting``)."""
     accounting = broker.health()["memory_accounting"]
@@ -144,7 +158,7 @@ def test_memory_in_bursts_between_samples_is_caught(broker: RunningBroker) -> No
     samples: COMPLETED most times before each worker had a memory cgroup."""
     if memory_cgroups_of(broker) is None:
         pytest.xfail(f"no memory cgroup here ({broker.health()['memory_accounting']}): the watchdog's samples alone")
-    result = execute(broker.url, program_of(PEAK, "peak", 3, 300, 60, 5.0))
+    result = run_peak(broker.url)
     assert not result.completed, result.results
     assert result.error is not None and "--memory-limit" in result.error["message"], result.error
 
@@ -178,7 +192,7 @@ def test_memory_cgroups_leave_honest_programs_and_nothing_behind(
         result = execute(running.url, program_of(HONEST_MEMORY, "honest", 600, 700))
         assert result.completed, result.error
         for _ in range(3):
-            over = execute(running.url, program_of(PEAK, "peak", 3, 300, 60, 5.0))
+            over = run_peak(running.url)
             assert over.error is not None and "--memory-limit" in over.error["message"], over.results
         slots = sorted(p for p in base.iterdir() if p.is_dir())
         assert [p.name for p in slots] == ["slot-0", "slot-1"]

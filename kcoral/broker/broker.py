@@ -164,6 +164,11 @@ class Broker:
             # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
             self.shell.clients.bind(self.upstream.local_endpoint)
             self.upstream.start()
+        if self.settings.sandbox == "none":
+            # Loud: programs then share the broker's user, files and network, and nothing but the
+            # process limits stands between them (see docs/operations.md, "Worker limits").
+            # Said before broker_listening, the line that tells a watcher the broker is up.
+            log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
         log.info(
             "broker_listening",
             endpoint=self.settings.listen,
@@ -173,10 +178,6 @@ class Broker:
             memory_accounting=self.cgroups.describe(),
             instance_id=self.instance_id,
         )
-        if self.settings.sandbox == "none":
-            # Loud: programs then share the broker's user, files and network, and nothing but the
-            # process limits stands between them (see docs/operations.md, "Worker limits").
-            log.warning("sandbox_none_programs_not_isolated", reason=self.settings.sandbox_reason)
 
     async def _release(self) -> None:
         if self.upstream is not None:
