@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -29,7 +29,7 @@ from kcoral.router.nodes import (
     parse_registration,
 )
 from kcoral.router.settings import RouterSettings
-from kcoral.service.sockets import send_now
+from kcoral.service.sockets import messages_waiting, send_now
 
 log = structlog.get_logger("kcoral.router")
 
@@ -201,7 +201,7 @@ class NodeMessages:
         return True
 
     def expire(self, now: float) -> None:
-        if cast(int, self.backend.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if messages_waiting(self.backend):
             return  # messages are waiting to be read (this loop was busy): they may be heartbeats
         liveness = protocol.HEARTBEAT_INTERVAL_SECONDS * protocol.HEARTBEAT_LIVENESS
         for node in [n for n in self.nodes.values() if now - n.last_heard > liveness and now > n.quiet_until]:

@@ -73,6 +73,15 @@ def send_now(sock: zmq.asyncio.Socket, frames: Sequence[Any], *, copy: bool = Fa
     sent.result()  # raises what the send raised
 
 
+def messages_waiting(sock: zmq.asyncio.Socket) -> bool:
+    """Whether a message waits to be read on ``sock``, asked through its inbox where one is open (a
+    read of the events outside it could take the edge its reader waits for)."""
+    inbox = _inboxes.get(sock)
+    if inbox is not None and not inbox.closed:
+        return inbox.waiting()
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 async def receive_forever(sock: zmq.asyncio.Socket, handle: MessageHandler, failure_event: str) -> None:
     """Hand every message to ``handle``; one that raises is logged and never stops the loop (see
     :class:`Inbox`: the socket is this loop's alone to read)."""
@@ -102,6 +111,7 @@ __all__ = [
     "SOCKET_HIGH_WATER_MARK",
     "Inbox",
     "close_inbox",
+    "messages_waiting",
     "open_inbox",
     "receive_forever",
     "router_socket",
