@@ -60,10 +60,16 @@ def close_inbox(inbox: Inbox) -> None:
     inbox.close()
 
 
+def _open_inbox_of(sock: zmq.asyncio.Socket) -> Inbox | None:
+    """``sock``'s inbox while it is open: every read and write of the socket goes through it then."""
+    inbox = _inboxes.get(sock)
+    return inbox if inbox is not None and not inbox.closed else None
+
+
 def send_now(sock: zmq.asyncio.Socket, frames: Sequence[Any], *, copy: bool = False) -> None:
     """Send a message without waiting; raise ``zmq.ZMQError`` at once when it cannot go."""
-    inbox = _inboxes.get(sock)
-    if inbox is not None and not inbox.closed:
+    inbox = _open_inbox_of(sock)
+    if inbox is not None:
         inbox.send(frames, copy)
         return
     sent = cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy))
@@ -76,8 +82,8 @@ def send_now(sock: zmq.asyncio.Socket, frames: Sequence[Any], *, copy: bool = Fa
 def messages_waiting(sock: zmq.asyncio.Socket) -> bool:
     """Whether a message waits to be read on ``sock``, asked through its inbox where one is open (a
     read of the events outside it could take the edge its reader waits for)."""
-    inbox = _inboxes.get(sock)
-    if inbox is not None and not inbox.closed:
+    inbox = _open_inbox_of(sock)
+    if inbox is not None:
         return inbox.waiting()
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
