@@ -134,16 +134,24 @@ def peak(children, hold_mib, burst_mib, wait_s):
 
 
 def run_peak(url: str) -> ProgramResult:
-    """PEAK's result, tried again while its children were not ready within 5 s: they never held
-    their memory, so no burst came and nothing was over the limit to catch. Seen twice on the
-    loaded 2-core CI machine, never in 60 runs here beside two busy cores; the cause is not known
-    (a raw clone copies no lock state: a child that allocates while one of the worker's zmq
-    threads holds the allocator's lock waits forever). Any other COMPLETED result is a miss."""
+    """PEAK's result, tried again while the attack never came: its CLONE_PARENT children were not
+    ready within 5 s, or the worker crashed on a signal that is not the limit's kill (SIGSEGV, once
+    in CI). Both seen only on the loaded 2-core CI machine, never in 60 runs here beside two busy
+    cores. A raw clone of the worker, which has zmq's threads, copies no lock or thread state into
+    the child: the program's own fragility, not the limit's. A COMPLETED count of bursts is a miss,
+    and is returned at once; three inconclusive tries in a row fail the caller's assertion too."""
     for _ in range(PEAK_TRIES):
         result = execute(url, program_of(PEAK, "peak", 3, 300, 60, 5.0))
-        if result.error is not None or result.results.get("out") != "not ready":
+        if not _peak_inconclusive(result):
             return result
     return result
+
+
+def _peak_inconclusive(result: ProgramResult) -> bool:
+    if result.error is None:
+        return result.results.get("out") == "not ready"
+    message = str(result.error.get("message", ""))
+    return "killed by signal" in message and "--memory-limit" not in message
 
 
 def memory_cgroups_of(broker: RunningBroker) -> Path | None:
