@@ -33,7 +33,7 @@ from kcoral.broker.settings import BrokerSettings
 from kcoral.broker.supervisor import Supervisor
 from kcoral.broker.target import TargetInfo, describe_target
 from kcoral.broker.upstream import UpstreamLink, default_node_id
-from kcoral.broker.worker_messages import WorkerMessages
+from kcoral.broker.worker_messages import WORKER_RECEIVE_HIGH_WATER_MARK, WorkerMessages
 from kcoral.broker.workers import WorkerPool
 from kcoral.service.fairness import OrphanWatch, UploadBudget
 from kcoral.service.identity import versions
@@ -106,6 +106,11 @@ class Broker:
             }
         )
         self.backend = router_socket(self.shell.context)
+        # What one worker may queue here: it sends a few messages a program (PROGRESS beyond
+        # PROGRESS_PER_SECOND is dropped unread), so more is a flood, whose sends then wait in the
+        # worker. Its RESULT, queued behind, is read within milliseconds, not the seconds 100,000
+        # queued messages took (tests/test_slot.py, progress floods).
+        self.backend.setsockopt(zmq.RCVHWM, WORKER_RECEIVE_HIGH_WATER_MARK)
         self.worker_endpoint = f"ipc://{self.run_dir / 'ipc' / 'workers.sock'}"
         # Made before the zygotes start (each is handed its slot's directory) and removed after.
         self.cgroups = SlotCgroups.make(

@@ -44,6 +44,8 @@ log = structlog.get_logger("kcoral.broker")
 # worker's socket costs the loop little.
 PROGRESS_PER_SECOND = 50.0
 PROGRESS_BURST = 100.0
+# The messages one worker may have queued on the broker's socket (libzmq counts them per connection).
+WORKER_RECEIVE_HIGH_WATER_MARK = 1_000
 COMMAND_BYTES_MOST = 32  # a command frame is a short name: more is never read
 # The longest a GRANT waits for the slot's spare to be named (its fork: milliseconds).
 SPARE_WAIT_SECONDS = 0.25
@@ -411,4 +413,4 @@ class WorkerMessages:
         self.port.dispatch()
 
 
-__all__ = ["PROGRESS_BURST", "PROGRESS_PER_SECOND", "WorkerMessages", "WorkerPort"]
+__all__ = ["PROGRESS_BURST", "PROGRESS_PER_SECOND", "WORKER_RECEIVE_HIGH_WATER_MARK", "WorkerMessages", "WorkerPort"]

@@ -24,11 +24,12 @@ from kcoral.protocol.zygote_link import WorkerExit
 log = structlog.get_logger("kcoral.broker")
 
 WORKER_EXIT_GRACE_SECONDS = 0.5  # a RESULT may still be in the socket when the exit is reported
-# A worker that exits cleanly has flushed its RESULT towards this broker (LINGER), but behind
-# whatever it sent before: a program that flooded its socket with PROGRESS left up to 100,000
-# messages ahead of it, about 2 s of reading on a busy 2-core VM. (Measured: when the flood fills
-# the socket's receive queue, libzmq stops reading the connection, and what is still in the kernel
-# when the worker exits is lost, RESULT included; only the flooding program's own answer.)
+# A worker that exits cleanly has sent its RESULT towards this broker, but behind whatever it sent
+# before: a program that flooded its socket with PROGRESS left up to WORKER_RECEIVE_HIGH_WATER_MARK
+# messages ahead of it (milliseconds of reading). A worker that sent it on its own socket waits
+# for its kill with that socket open (kcoral.worker.worker._await_retirement): when the flood fills
+# this broker's queue for the connection, libzmq stops reading it, and what is still in the kernel
+# when the connection closes is lost, RESULT included.
 CLEAN_EXIT_RESULT_GRACE_SECONDS = 5.0
 MAX_REMEMBERED_EXITS = 10_000
 MAX_EARLY_READY = 1024

@@ -331,7 +331,7 @@ def run_worker(settings: WorkerSettings) -> int:
             done += 1
             if not reusable:
                 if on_own:
-                    _await_retirement(context)
+                    _await_retirement()
                 return 0
             for wipe in wipe_later:  # off the program's path: its RESULT is out
                 wipe()
@@ -373,8 +373,10 @@ def _send_result(
     nothing else; a RESULT on the worker's socket waits, at the worker's end, behind what the
     program itself queued there before it returned.
 
-    ``wait``: end the context, which returns once the RESULT is delivered, so that the worker's
-    exit cannot lose it. A worker that goes on (``wait`` false: its program reusable, so no thread
+    ``wait``: on a connection of its own, end the context, which returns once the RESULT is
+    delivered, so that the worker's exit cannot lose it (one message: the broker's queue for that
+    connection cannot be full); on the worker's own socket, the caller waits for its kill with the
+    socket open (_await_retirement). A worker that goes on (``wait`` false: its program reusable, so no thread
     or process of it is left) keeps the context for its next RESULT, whose connection it makes
     the same way; its I/O thread delivers this one while the worker waits for its next program,
     which the broker sends only once it has this RESULT. Making and ending a context per RESULT
@@ -388,9 +390,7 @@ def _send_result(
         except zmq.ZMQError:
             pass  # not sent: on a connection of its own, below
         else:
-            if wait:
-                own.close(linger=RESULT_LINGER_MS)  # _await_retirement waits for it
-            return True
+            return True  # delivered while the socket stays open: _await_retirement
     result = context.socket(zmq.DEALER)
     identity = protocol.worker_id(settings.identity) + protocol.RESULT_IDENTITY_SEPARATOR + str(number).encode()
     result.setsockopt(zmq.IDENTITY, identity)
@@ -405,14 +405,16 @@ def _send_result(
     return False
 
 
-def _await_retirement(context: zmq.Context[Any]) -> None:
-    """After a last RESULT on the worker's own socket: wait until it is out of this process, then
-    for the zygote's kill (the broker asks for it once it has read the RESULT), at most
-    RESULT_LINGER_MS. What the program queued on that socket before it returned is ahead of the
-    RESULT, and the broker may read it only after the worker's end, had it exited at once: a
-    connection whose peer has gone lost the RESULT behind such a backlog (``tests/test_hostile.py``,
-    a flood joined before the return, 5 to 22 of 40 programs)."""
-    context.term()  # the RESULT is in the connection now (or RESULT_LINGER_MS is up)
+def _await_retirement() -> None:
+    """After a last RESULT on the worker's own socket: wait for the zygote's kill (the broker asks
+    for it once it has read the RESULT), at most RESULT_LINGER_MS, with the socket open. What the
+    program queued on that socket before it returned is ahead of the RESULT, and closing the socket
+    (ending its context, or exiting) before the broker has read it all loses the RESULT: where the
+    backlog fills the broker's queue for this connection, libzmq stops reading it, and what is
+    still in the kernel when the connection closes is never read (``tests/test_slot.py``, progress
+    floods: every such program, once the broker's queue was bounded at 1,000 messages; and
+    ``tests/test_hostile.py``, a flood joined before the return). The socket's own I/O thread
+    delivers it meanwhile."""
     time.sleep(RESULT_LINGER_MS / 1000)
 
 
