@@ -27,7 +27,7 @@
 # PARTS (default: the six above, in that order; also compare-tests, gpu-programs, session-programs,
 # cpu-path, cpu-session, router-hop, federation, broker-profile and gpu-tests, at the end, and with
 # BASE (a tree of an older commit, say a worktree carried beside this one) cpu-against,
-# cpu-session-against and session-against, this tree against BASE alternated in one run) picks
+# cpu-session-against and session-against, this tree against BASE alternated in one run; fork-cost) picks
 # some; tools carried in .devtools/bin (`ip` of iproute2 for federation, `py-spy` for
 # broker-profile) go on PATH; BROKER_FLAGS adds flags to the broker's
 # (a dry run on a machine whose venv has the tree installed editable: BROKER_FLAGS="--sandbox none",
@@ -157,7 +157,7 @@ part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${P
 # on the GPU beside them. federation needs `ip` (iproute2), which the H200 host lacks.
 if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path ||
     wanted cpu-session || wanted router-hop || wanted federation || wanted broker-profile ||
-    wanted cpu-against || wanted cpu-session-against || wanted session-against; then
+    wanted cpu-against || wanted cpu-session-against || wanted session-against || wanted fork-cost; then
     stop_broker
 fi
 # Issue 22: the self-compare under the verdict rule of 5dc442d (same in 10 of 10) and the provenance
@@ -200,6 +200,8 @@ if [ -n "$BASE" ]; then
         --concurrent 40 --in-flight 8 --config before "$BASE" "" --config after . "" --session before \
         --session after --floor-rounds 1 --json "$OUT/session-against.json"
 fi
+# What a fresh worker's fork and exit cost the zygote, its memory in 4 KiB pages and collapsed.
+part fork-cost "${FORK_COST_S:-90}" "$PY" benchmarks/fork_cost.py --forks 300 --rounds 3
 part broker-profile "${PROFILE_S:-60}" "$PY" benchmarks/broker_profile.py --broker-flags "--device cpu --workers 16" \
     --in-flight 16 --seconds 10 --raw "$OUT/broker-profile.txt"
 # The GPU tests of the code moved since they last ran there (fresh contexts and sessions, the lease,
