@@ -133,14 +133,19 @@ def become_worker(
     go: int,
     *,
     eager_cuda: bool = False,
+    cgroup: WorkerCgroup | None = None,
 ) -> None:
     """In the forked child: set the process up and run the worker loop; never returns.
 
     ``go`` is the read end of the pipe on which the zygote announces it (see Zygote); the worker
     closes it before any program runs. ``eager_cuda``: make the CUDA context of the slot's GPU at
-    once, while it waits for its turn, so that its program does not wait for the context."""
+    once, while it waits for its turn, so that its program does not wait for the context.
+    ``cgroup``: the memory cgroup it joins first of all (the zygote checks before its go)."""
     code = EXIT_WORKER_CRASHED
     try:
+        if cgroup is not None:
+            with contextlib.suppress(OSError):  # the zygote's check joins it, or says it has none
+                cgroup.join(os.getpid())
         close_inherited_descriptors(keep=go)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # not the zygote's command pipe

@@ -210,6 +210,13 @@ class WorkerCgroup:
     def join(self, pid: int) -> None:
         _write(self.fd, PROCS_FILE, str(pid))
 
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` is in this cgroup now."""
+        try:
+            return str(pid) in _read(self.fd, PROCS_FILE).split()
+        except OSError:
+            return False
+
     def oom_events(self) -> int:
         """How often its processes asked for memory over the limit since the last read (the
         eventfd's count)."""

@@ -210,14 +210,10 @@ class Zygote:
         cgroup = self.cgroups.take(identity) if self.cgroups is not None else None
         pid = os.fork()
         if pid == 0:
-            become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=eager)
+            # It joins its cgroup itself, at once: migrating a process took a tenth of a busy
+            # zygote's time on the 2-core VM (cgroup v1), which then held up the slot's next worker.
+            become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=eager, cgroup=cgroup)
         os.close(go_read)
-        if cgroup is not None:
-            try:
-                cgroup.join(pid)  # before it has a program: whatever it forks later is in it too
-            except OSError:
-                cgroup.remove()
-                cgroup = None
         try:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -232,6 +228,22 @@ class Zygote:
         if cgroup is not None:
             self.selector.register(cgroup.events, selectors.EVENT_READ, cgroup)
         return child
+
+    def confirm_cgroup(self, child: Child) -> None:
+        """See that a worker about to get its go is in its memory cgroup, before it has a program
+        (whatever it forks later is then in it too): it joined right after its fork, and one forked
+        just now may not have yet. Where it cannot be, it serves without one, as the FORKED event
+        says."""
+        cgroup = child.cgroup
+        if cgroup is None or cgroup.holds(child.pid):
+            return
+        try:
+            cgroup.join(child.pid)
+        except OSError:
+            child.cgroup = None
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(cgroup.events)
+            cgroup.remove()
 
     def release_cgroup(self, child: Child) -> None:
         """The cgroup of a worker that has exited with all it started, back to the slot's pool."""
@@ -267,6 +279,7 @@ class Zygote:
             spare = None
         child = spare if spare is not None else self.fork_worker(eager=False if lazy else None)
         self.current = child
+        self.confirm_cgroup(child)
         let_go(child)
         self.watchdog.program_may_start(time.monotonic())
         # Where the slot has memory cgroups, whether this worker is in one (its making can fail).
@@ -402,6 +415,9 @@ class Zygote:
         ``gpu_free`` where the GPU lease may go back before the exit is through (kcoral.worker.handover)."""
         child.kill_requested = True
         self.kill(child, "")
+        if self.settings.gpu is None:
+            return  # a slot without a GPU has no lease to give back early (and reading every
+            # process's maps for a device cost 6% of a busy zygote's time on the 2-core VM)
         # Walked again after the kill: what was forked during the kill's own walk is found too.
         free = handover.holds_no_gpu(child.pid, self.spared())
         if free is None:
