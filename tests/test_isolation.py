@@ -26,6 +26,7 @@ import pytest
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.cli import EXIT_CONFIG
 from kcoral.sandbox.bubblewrap import BLOBS, WORKSPACE, SandboxUnavailable, check_bwrap
+from kcoral.worker.run_directory import READY_NAME, SUBDIRECTORIES
 from tests.helpers import RunningBroker, free_port, start_broker
 
 try:
@@ -135,7 +136,8 @@ class Sandboxed:
         """What the slots hold on the host beyond the mount point of shared memory, by slot."""
         found = {}
         for slot in sorted(self.slots_dir.iterdir()):
-            entries = sorted(p.name for p in slot.iterdir() if p.name != ".shm")
+            entries = sorted(p.name for p in slot.iterdir() if p.name not in (".shm", READY_NAME))
+            entries += [f"{READY_NAME}/{name}" for name in ready_leftovers(slot / READY_NAME)]
             shm = self.broker.run_dir / "shm" / slot.name
             entries += [f"shm/{p.name}" for p in shm.iterdir()] if shm.is_dir() else []
             if entries:
@@ -148,6 +150,23 @@ class Sandboxed:
         while (left := self.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return left
+
+
+def ready_leftovers(ready: Path) -> list[str]:
+    """What the next worker's run directory holds beyond its four empty directories (it is part of
+    a clean slot: kcoral.worker.run_directory)."""
+    if not ready.exists():
+        return []
+    if ready.is_symlink() or not ready.is_dir():
+        return ["(not a directory)"]
+    left = [p.name for p in ready.iterdir() if p.name not in SUBDIRECTORIES or not p.is_dir() or p.is_symlink()]
+    left += [
+        f"{p.parent.name}/{p.name}"
+        for name in SUBDIRECTORIES
+        if (ready / name).is_dir()
+        for p in (ready / name).iterdir()
+    ]
+    return sorted(left)
 
 
 def start_sandboxed(root: Path, *extra: str) -> Sandboxed:

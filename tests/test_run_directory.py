@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kcoral.worker import run_directory
-from kcoral.worker.run_directory import SUBDIRECTORIES, RunDirectory
+from kcoral.worker.run_directory import READY_NAME, SUBDIRECTORIES, RunDirectory
 
 FS_NODUMP_FL = 0x40  # chattr +d: an inode flag a file's owner may set
 
@@ -107,3 +107,53 @@ def test_a_last_program_keeps_nothing(tmp_path: Path) -> None:
     directories.make(tmp_path / "run-last", keep=False)
     directories.wipe(tmp_path / "run-last")
     assert directories.kept is None and os.listdir(tmp_path) == []
+
+
+# --- the zygote's run directory for its next fresh worker -------------------------------------------
+
+
+def zygote_made(tmp_path: Path) -> tuple[RunDirectory, dict[str, tuple]]:
+    keeper = RunDirectory(tmp_path, take_ready=False)
+    keeper.make(tmp_path / READY_NAME)
+    return keeper, state(tmp_path / READY_NAME)
+
+
+def test_a_fresh_worker_takes_the_zygote_s_directory_and_the_zygote_makes_it_ready_again(tmp_path: Path) -> None:
+    keeper, made = zygote_made(tmp_path)
+    worker = RunDirectory(tmp_path)  # a fresh worker's, its first program
+    run_dir = tmp_path / "run-first"
+    worker.make(run_dir, keep=False)
+    assert os.listdir(tmp_path) == ["run-first"]
+    assert state(run_dir) == made  # the same directories, emptied, with the times they were made with
+    (run_dir / "work" / "result.bin").write_bytes(b"x" * 4096)
+    (run_dir / "output" / "stdout").write_text("printed")
+    (tmp_path / "beside").mkdir()
+    assert keeper.find_made() == run_dir  # by its inode, under the program's name
+    keeper.wipe(run_dir)
+    keeper.make(tmp_path / READY_NAME)
+    assert os.listdir(tmp_path) == [READY_NAME]
+    assert state(tmp_path / READY_NAME) == made
+
+
+def test_a_directory_the_program_replaced_or_grew_is_not_handed_on(tmp_path: Path) -> None:
+    keeper, _ = zygote_made(tmp_path)
+    run_dir = tmp_path / "run-first"
+    RunDirectory(tmp_path).make(run_dir)
+    os.rename(run_dir, tmp_path / "elsewhere")
+    os.rename(tmp_path / "elsewhere", tmp_path / "run-first-moved")
+    (tmp_path / "run-first-moved" / "work" / "inner").mkdir()
+    os.rename(tmp_path / "run-first-moved", tmp_path / "run-first-moved-again")
+    os.makedirs(tmp_path / "deeper")
+    os.rename(tmp_path / "run-first-moved-again", tmp_path / "deeper" / "hidden")
+    assert keeper.find_made() is None  # not in the workspace's top level: the zygote wipes it all
+    # A directory grown by many entries keeps its size once emptied (ext4): never handed on.
+    keeper, _ = zygote_made(tmp_path / "second")
+    work = tmp_path / "second" / READY_NAME / "work"
+    for number in range(3000):
+        (work / f"a-long-name-for-a-file-{number:06d}").touch()
+    if os.lstat(work).st_size <= os.lstat(tmp_path / "second" / READY_NAME / "home").st_size:
+        pytest.skip("this filesystem's directories do not grow with their entries")
+    keeper.wipe(tmp_path / "second" / READY_NAME)
+    assert keeper.kept is None
+    keeper.make(tmp_path / "second" / READY_NAME)
+    assert os.lstat(work).st_size == os.lstat(tmp_path / "second" / READY_NAME / "home").st_size  # made anew

@@ -36,6 +36,9 @@ from pathlib import Path
 from kcoral.worker import workspace as workspace_files
 
 SUBDIRECTORIES = ("work", "home", "tmp", "output")
+# The run directory the zygote hands the slot's next worker, emptied, under this name: the worker
+# renames it to its program's own (RunDirectory.make).
+READY_NAME = "run-ready"
 _FS_IOC_GETFLAGS = 0x80086601  # linux/fs.h, _IOR('f', 1, long); the kernel reads and writes an int
 _FS_IOC_SETFLAGS = 0x40086602
 
@@ -50,6 +53,7 @@ class _Made:
     gid: int
     mode: int
     times_ns: tuple[int, int]  # access and modification
+    size: int  # a directory's size: on ext4 it grows with its entries and never shrinks
     xattrs: dict[str, bytes]
     flags: int | None  # None: the filesystem has no inode flags
 
@@ -57,12 +61,17 @@ class _Made:
 class RunDirectory:
     """The run directory of a worker's programs: made for the first, kept for the next ones.
 
-    ``make(run_dir)`` before a program gives it its directories; ``wipe(run_dir)`` after it empties
-    the slot's workspace, keeping the run directory for the next ``make`` when it can.
+    ``make(run_dir)`` before a program gives it its directories (the first one of a worker, the
+    zygote's READY_NAME where it is there); ``wipe(run_dir)`` after it empties the slot's
+    workspace, keeping the run directory for the next ``make`` when it can. The zygote keeps one
+    too (``take_ready`` false): after each worker it finds the directory it made
+    (:meth:`find_made`), under the program's name, empties it the same way and makes it
+    READY_NAME again for the next worker.
     """
 
-    def __init__(self, workspace: Path) -> None:
+    def __init__(self, workspace: Path, *, take_ready: bool = True) -> None:
         self.workspace = workspace
+        self.take_ready = take_ready  # a worker's first program takes the zygote's READY_NAME
         self._kept: Path | None = None
         self._made: dict[str, _Made] = {}
 
@@ -75,6 +84,8 @@ class RunDirectory:
         """``run_dir`` and its subdirectories, for the program about to run; ``keep``: noted as made,
         to be kept after it (not for a worker's last program, whose workspace the zygote wipes)."""
         kept, self._kept = self._kept, None
+        if kept is None and not self._made:
+            kept = self._adopt_ready()
         if kept is not None and kept != run_dir:
             try:
                 os.rename(kept, run_dir)
@@ -89,6 +100,37 @@ class RunDirectory:
             (run_dir / name).mkdir(parents=True, exist_ok=True)
         if keep and not self._made:  # as made, once all are (each subdirectory changes the run directory)
             self._made = {name: _describe(run_dir / name) for name in ("", *SUBDIRECTORIES)}
+
+    def _adopt_ready(self) -> Path | None:
+        """The zygote's emptied run directory (READY_NAME) for this worker's first program, noted
+        as it is now; None where there is none to take."""
+        if not self.take_ready:
+            return None
+        ready = self.workspace / READY_NAME
+        names = ("", *SUBDIRECTORIES)
+        try:
+            if not all(stat.S_ISDIR(os.lstat(ready / name).st_mode) for name in names):
+                return None
+            self._made = {name: _describe(ready / name) for name in names}
+        except OSError:
+            return None
+        return ready
+
+    def find_made(self) -> Path | None:
+        """The entry of the workspace that is the run directory this keeper made (the worker
+        renamed it to its program's), or None."""
+        made = self._made.get("")
+        if made is None:
+            return None
+        try:
+            with os.scandir(self.workspace) as entries:
+                for entry in entries:
+                    now = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(now.st_mode) and (now.st_dev, now.st_ino) == (made.device, made.inode):
+                        return Path(entry.path)
+        except OSError:
+            return None
+        return None
 
     def wipe(self, run_dir: Path) -> None:
         """Empty the slot's workspace after the program that ran in ``run_dir``, keeping that
@@ -124,8 +166,8 @@ class RunDirectory:
                 with os.scandir(path) as entries:
                     for entry in [e for e in entries if e.name not in keep]:
                         workspace_files.remove_entry(Path(entry.path))
-                if set(os.listdir(path)) != keep:
-                    return False
+                if set(os.listdir(path)) != keep or os.lstat(path).st_size > made.size:
+                    return False  # (a directory grown by a million entries stays that large)
                 if not _put_back(path, made):
                     return False
         except OSError:
@@ -142,6 +184,7 @@ def _describe(path: Path) -> _Made:
         gid=now.st_gid,
         mode=stat.S_IMODE(now.st_mode),
         times_ns=(now.st_atime_ns, now.st_mtime_ns),
+        size=now.st_size,
         xattrs=_xattrs(path),
         flags=_flags(path),
     )
