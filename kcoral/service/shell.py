@@ -376,7 +376,8 @@ class ServiceShell(Generic[RequestT]):
             log.warning("bad_client_message", error=str(exc), command=command.hex())
             return
         if owner is None:
-            owner = peer_identity(message[-1], client)
+            # Only CURVE gives a message its sender's key; without, asking costs an exception.
+            owner = peer_identity(message[-1], client) if self.settings.security is not None else client
         self.dispatch(ClientMessage(client, command, request_id, body, message, data, owner))
 
     def dispatch(self, message: ClientMessage) -> None:
