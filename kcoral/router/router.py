@@ -310,23 +310,26 @@ class Router:
         """Send a request's FINAL and forget it."""
         if self.requests.pop(request.id) is None:
             return
+        answered_at = time.monotonic()
+        # Sent first: the client waits for it, while the counts and the log wait for nobody (they
+        # cost a FINAL 0.1 to 0.2 ms on a loaded 2-core VM, where the router's code runs cold).
+        self.shell.send(request.client, message, request.id)
         self.uploads.release(request.id)
         if request.node is not None:
             request.node.requests.pop(request.id, None)
         else:
             self.queue.remove(request)
         self.finished += 1
-        self._count_finished(request, message)
-        self.shell.send(request.client, message, request.id)
+        self._count_finished(request, message, answered_at - request.received_at)
         log.info("request_finished", request_id=request.id, node=request.node.node_id if request.node else None)
 
-    def _count_finished(self, request: RouterRequest, message: list[Any]) -> None:
+    def _count_finished(self, request: RouterRequest, message: list[Any], end_to_end_seconds: float) -> None:
         try:
             body = message[2]
             final = protocol.unpack_map(body.buffer if isinstance(body, zmq.Frame) else body)
         except (IndexError, protocol.WireError):
             final = protocol.final_error_body(request.id, "engine", "the node's FINAL could not be read")
-        self.metrics.program_finished(final, end_to_end_seconds=time.monotonic() - request.received_at)
+        self.metrics.program_finished(final, end_to_end_seconds=end_to_end_seconds)
 
     def fail(self, request: RouterRequest, kind: str, text: str) -> None:
         """End a request with an error (FINAL), and forget it."""
