@@ -61,7 +61,7 @@ from kcoral.router.nodes import (
 )
 from kcoral.router.settings import NODE_WAIT_SECONDS, RouterSettings
 from kcoral.service import auth
-from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, declared_sizes, refuse_gpu_count
+from kcoral.service.admission import AdmissionPolicy, Refusal, admit_execute, refuse_gpu_count
 from kcoral.service.fairness import OrphanWatch, UploadBudget, client_queue_limit
 from kcoral.service.identity import versions
 from kcoral.service.metrics import ServiceMetrics, programs_in_flight
@@ -181,7 +181,7 @@ class Router:
             return
         gpu_count, digests = admitted.options.gpu_count or 0, admitted.digests
         request = RouterRequest(request_id, client, gpu_count, digests, message.frames, owner=owner)
-        request.sizes = declared_sizes(admitted.program)
+        request.sizes = admitted.sizes
         request.bytes_received = message.data_bytes
         refusal = self.uploads.reserve(request_id, owner, request.bytes_received)
         if refusal is not None:
