@@ -18,7 +18,9 @@ What the router does, and why:
   less herding onto one node when many routers' views are stale.
 - The EXECUTE and the node's answers travel unchanged, frame for frame and without copies: the
   router decodes EXECUTE (to validate it and learn its blobs and gpu_count) and PARTIAL bodies, but
-  reads only the ``request_id`` of a FINAL, whose result tree may be large. The node relay's
+  routes a FINAL, whose result tree may be large, by its ``request_id`` alone; its body is decoded
+  for the metrics once it has gone on. A node's answer goes on before the router's own bookkeeping
+  (counts, log, the request's state), which its client does not wait for. The node relay's
   negotiation of blobs thus runs end to end between the client and the node's broker: BLOBS and
   CANCEL go to the node that has the request.
 - A node that is silent for HEARTBEAT_LIVENESS intervals, says it leaves, or registers again
