@@ -66,14 +66,19 @@ def router(nodes: int, *broker_flags: str, router_flags: Sequence[str] = ()) -> 
 
 
 @contextlib.contextmanager
-def routed_broker(*broker_flags: str) -> Iterator[tuple[str, str]]:
+def routed_broker(*broker_flags: str, checkout: Path | None = None) -> Iterator[tuple[str, str]]:
     """One broker that joins a ``kcoral router``: yield (the router's client URL, the broker's
-    own), once the node is live, so that one run can reach the same broker both ways."""
+    own), once the node is live, so that one run can reach the same broker both ways.
+    ``checkout``: run both from that source tree (its own ``kcoral``), to compare versions."""
     work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
-    service = start_router(work_dir, log_level="warning")
+    launch: LaunchOptions = {"log_level": "warning"}
+    if checkout is not None:
+        launch.update(cwd=checkout, env={"PYTHONPATH": str(checkout)})
+    service = start_router(work_dir, **launch)
     try:
         assert service.nodes_url is not None
-        with broker("--upstream", service.nodes_url, "--node-id", "node-0", *broker_flags) as (url, _):
+        flags = ("--upstream", service.nodes_url, "--node-id", "node-0", *broker_flags)
+        with broker(*flags, checkout=checkout) as (url, _):
             wait_ready(service, lambda health: any(n.get("state") == "live" for n in health["nodes"]))
             yield service.url, url
     finally:

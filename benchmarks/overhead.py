@@ -4,7 +4,7 @@
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
     python benchmarks/overhead.py --phases [--session] [--requests 300] [--broker-flags "..."] [--json out.json]
     python benchmarks/overhead.py --against DIR [--session] [--requests 300] [--rounds 5]
-    python benchmarks/overhead.py --router [--requests 300] [--rounds 5]
+    python benchmarks/overhead.py --router [--against DIR] [--wire-only] [--requests 300] [--rounds 5]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
 constant program in a loop, (3) the same with a module upload and a function call, (4) programs per
@@ -30,13 +30,17 @@ with N in flight) runs its programs in its session.
 
 ``--router`` measures the router's hop: one broker that joins a ``kcoral router``, reached directly
 and through the router, alternated round by round in one run (the router's p50 less the direct one's
-is what the hop adds).
+is what the hop adds). With ``--against DIR``, the hop of this checkout and of the one at DIR in one
+run: a router and a broker of each, the four paths alternated round by round. ``--wire-only``: only
+the hop's phases (each program's way to the broker and back), not the totals and rates: on a
+shared machine, more of them in the same time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import tempfile
 import threading
@@ -213,20 +217,25 @@ def main() -> int:
     parser.add_argument("--curve-cost", action="store_true", help="compare brokers with and without CurveZMQ")
     parser.add_argument("--rounds", type=int, default=3, help="alternations per broker with --curve-cost or --against")
     parser.add_argument(
-        "--against", type=Path, default=None, metavar="DIR", help="compare with a broker run from the checkout at DIR"
+        "--against",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="compare with a broker (with --router: a router and its broker) run from the checkout at DIR",
     )
     parser.add_argument("--phases", action="store_true", help="where a constant program's milliseconds go")
     parser.add_argument("--router", action="store_true", help="one broker directly and through kcoral router")
+    parser.add_argument("--wire-only", action="store_true", help="with --router: only the hop's phases")
     parser.add_argument(
         "--session", action="store_true", help="with --phases or --against: the programs in one client session"
     )
     args = parser.parse_args()
     if args.curve_cost:
         return curve_cost(args)
-    if args.against is not None:
-        return against(args)
     if args.router:
         return router_hop(args)
+    if args.against is not None:
+        return against(args)
     if args.phases:
         with broker(*args.broker_flags.split()) as (url, _):
             samples = phases(url, args.requests, args.session)
@@ -334,28 +343,44 @@ def against(args: argparse.Namespace) -> int:
 
 
 def router_hop(args: argparse.Namespace) -> int:
-    """The constant program's p50 and the rate with N in flight, directly and through the router."""
-    urls = {"direct": "", "router": ""}
-    wire: dict[str, list[float]] = {name: [] for name in urls}  # client -> broker and back, per program
-    with routed_broker(*args.broker_flags.split()) as (urls["router"], urls["direct"]):
-        rows, rates = alternate(args, {name: (url, None) for name, url in urls.items()})
+    """The constant program's p50 and the rate with N in flight, directly and through the router
+    (of this checkout, and with ``--against`` of the one at DIR too)."""
+    trees = {"": None} if args.against is None else {"other ": args.against.resolve(), "this ": None}
+    urls: dict[str, str] = {}
+    wire: dict[str, list[float]] = {}  # client -> broker and back, per program
+    with contextlib.ExitStack() as stack:
+        for tree, checkout in trees.items():
+            routed, direct = stack.enter_context(routed_broker(*args.broker_flags.split(), checkout=checkout))
+            urls.update({f"{tree}direct": direct, f"{tree}router": routed})
+        rows: list[list[Any]] = []
+        rates: dict[str, list[float]] = {}
+        if not args.wire_only:
+            rows, rates = alternate(args, {name: (url, None) for name, url in urls.items()})
         # The hop alone, without the fresh worker's noise: the client -> broker and broker ->
         # client phases of each program (its broker's timeline), alternated round by round too.
         for name in in_turn(list(urls), args.rounds):
             samples = phases(urls[name], max(1, args.requests // args.rounds))
             ways = zip(samples["client -> broker (EXECUTE read)"], samples["broker -> client (FINAL read)"])
-            wire[name] += [there + back for there, back in ways]
-    print_table(
-        f"The router's hop ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
-        alternated_columns("path", args.in_flight),
-        rows,
-    )
-    hop, ratio = rows[1][2] - rows[0][2], rows[1][4] / rows[0][4]
-    direct, routed = (float(np.median(wire[name])) for name in urls)
-    print(f"\nclient -> broker -> client (the EXECUTE's way there and the FINAL's back), p50: direct {direct:.3f} ms,")
-    print(f"through the router {routed:.3f} ms: the hop adds {routed - direct:+.3f} ms")
-    print(f"\nrouter - direct: p50 {hop:+.3f} ms; {args.in_flight} in flight {ratio:.3f}x")
-    save_json(args.json, {"rows": rows, "rates": rates, "wire_ms": wire, "machine": machine()})
+            wire.setdefault(name, []).extend(there + back for there, back in ways)
+    against = f", this checkout against {args.against}" if args.against is not None else ""
+    title = f"The router's hop ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds{against})"
+    if rows:
+        print_table(title, alternated_columns("path", args.in_flight), rows)
+    else:
+        print(f"\n{title}")
+    hops = {}
+    for index, tree in enumerate(trees):
+        direct, routed = (float(np.median(wire[f"{tree}{path}"])) for path in ("direct", "router"))
+        hops[tree.strip() or "this"] = routed - direct
+        print(f"\n{tree or ''}client -> broker -> client (the EXECUTE's way there and the FINAL's back), p50:")
+        print(f"  direct {direct:.3f} ms, through the router {routed:.3f} ms: the hop adds {routed - direct:+.3f} ms")
+        if rows:
+            direct_row, router_row = rows[2 * index], rows[2 * index + 1]
+            hop, ratio = router_row[2] - direct_row[2], router_row[4] / direct_row[4]
+            print(f"  router - direct: p50 {hop:+.3f} ms; {args.in_flight} in flight {ratio:.3f}x")
+    if args.against is not None:
+        print(f"\nthe hop, this - other: {hops['this'] - hops['other']:+.3f} ms")
+    save_json(args.json, {"rows": rows, "rates": rates, "wire_ms": wire, "hops_ms": hops, "machine": machine()})
     return 0
 
 

@@ -417,3 +417,37 @@ def test_session_programs_through_the_router_never_share_a_worker(
     assert len(set(identities)) == 3, identities
     with Client(broker.url) as client:
         assert client.health()["sessions"] == []
+
+
+def test_a_node_that_loses_its_router_cancels_the_routers_programs_in_its_broker(
+    router_factory: Callable[..., RunningRouter], broker_factory: BrokerFactory
+) -> None:
+    # The router fails them with node_lost and never replays them: the node's relay stops them in
+    # its broker (their worker freed), drops their late answers, and registers again.
+    router = router_factory()
+    broker = node_broker(broker_factory, router, "a")
+    wait_live(router, "a")
+
+    def running_on_the_broker() -> int:
+        return int(broker.health()["load"]["requests_in_progress"])
+
+    async def lose_the_router() -> None:
+        async with AsyncClient(router.url) as client:
+            long_run = asyncio.create_task(client.execute(nap_program(60)))
+            try:
+                await asyncio.to_thread(wait_for, lambda: running_on_the_broker() == 1, 10, "the program to run")
+                router.stop(signal.SIGKILL)
+                await asyncio.to_thread(
+                    wait_for, lambda: running_on_the_broker() == 0, LIVENESS_SECONDS + 5, "the relay's cancel"
+                )
+            finally:
+                long_run.cancel()
+                await asyncio.gather(long_run, return_exceptions=True)
+
+    asyncio.run(lose_the_router())
+    assert "upstream_cancelling_in_flight" in broker.log()
+    assert broker.health()["counters"]["errors_by_kind"].get("cancelled") == 1
+    restarted = router_factory(url=router.url, nodes_url=router.nodes_url)
+    wait_live(restarted, "a")
+    with Client(restarted.url) as client:  # the node's one worker slot is free again
+        assert client.execute(nap_program(0)).status == "COMPLETED"

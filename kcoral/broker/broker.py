@@ -163,11 +163,12 @@ class Broker:
                 upstream=self.settings.upstream,
                 node_id=node_id,
                 health=self.health,
+                to_broker=self.shell.receive_local,
                 keys=self.settings.upstream_keys,
             )
             self.trusted_owners.add(self.upstream.local_identity)
-            # The relay is a client of this broker over inproc (see kcoral/broker/upstream.py).
-            self.shell.clients.bind(self.upstream.local_endpoint)
+            # The relay is a client of this broker in its own process (see kcoral/broker/upstream.py).
+            self.shell.attach_local_client(self.upstream.local_identity, self.upstream.on_broker_message)
             self.upstream.start()
         if self.settings.sandbox == "none":
             # Loud: programs then share the broker's user, files and network, and nothing but the

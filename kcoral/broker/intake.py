@@ -162,7 +162,7 @@ class ProgramIntake:
         if isinstance(admitted, Refusal):
             self.port.refuse(client, request_id, *admitted)
             return
-        program, options, digests = admitted.program, admitted.options, admitted.digests
+        program, options, digests, sizes = admitted.program, admitted.options, admitted.digests, admitted.sizes
         if options.session and owner in self.trusted:
             # Through the router relay every client of the router is this one connection, which
             # keys a session (kcoral.broker.sessions): one router client's program would enter
@@ -172,7 +172,6 @@ class ProgramIntake:
         # later rounds check without counting, so a cold blob is not also counted as a hit.
         absent = self.blobs.missing(digests)
         # The bytes this upload will hold before the program is queued, reserved before any is sent.
-        sizes = declared_sizes(program)
         refusal = self.uploads.reserve(request_id, owner, sum(sizes.get(d, 0) for d in set(absent)))
         if refusal is not None:
             self.port.refuse(client, request_id, refusal.kind, refusal.message)

@@ -1,19 +1,23 @@
 """The node side of federation: a relay inside a host broker that joins a ``kcoral router``.
 
 A broker started with ``--upstream URL --node-id NAME`` runs one :class:`UpstreamLink` in its event
-loop. The link holds two DEALER sockets:
-
-- one connected OUT to the router's nodes endpoint, so a host behind NAT or a firewall needs no
-  open port, and the router needs no list of hosts;
-- one connected to the broker's own client ROUTER over ``inproc://`` (the broker binds it next to
-  its ``--listen`` endpoint), through which the relay is an ordinary client of its broker.
+loop. The link holds one DEALER socket, connected OUT to the router's nodes endpoint, so a host
+behind NAT or a firewall needs no open port, and the router needs no list of hosts. To its broker
+the relay is a local client of the broker's service shell (:meth:`ServiceShell.receive_local
+<kcoral.service.shell.ServiceShell.receive_local>`), under its own identity: an ordinary client,
+whose messages the shell takes as it takes a socket's, without a socket in between.
 
 Client messages from the router (EXECUTE, BLOBS, CANCEL) go to the broker unchanged, and the
 broker's replies (PARTIAL, FINAL) go back to the router unchanged, frame for frame and without
 copies: the router keeps the request_id -> client map, because request ids are unique per broker
-anyway, so the relay needs none. Why a relay and not a federation-aware broker: the broker stays
-one program with one client protocol, and everything it does for clients (negotiation of blobs,
-queue, leases, cancellation, timeouts) works through a router without a second code path.
+anyway, so the relay needs none. Each goes on at once, in the call that brought it: a reply leaves
+for the router from inside the broker's send, before the broker goes on with its bookkeeping.
+Until this relay was a client over ``inproc://``, each message crossed one more socket (a send, a
+wake-up of the loop, a receive), and a FINAL waited for whatever the broker's loop did after
+sending it (``benchmarks/RESULTS.md``, the router's section). Why a relay and not a federation-aware
+broker: the broker stays one program with one client protocol, and everything it does for clients
+(negotiation of blobs, queue, leases, cancellation, timeouts) works through a router without a
+second code path.
 
 What the relay keeps: the set of request ids it has forwarded and not yet seen a FINAL for. When
 the link to the router is lost (no message for HEARTBEAT_LIVENESS intervals, or the router says it
@@ -38,7 +42,7 @@ import zmq.asyncio
 
 from kcoral import protocol
 from kcoral.keys import ClientKeys
-from kcoral.service.sockets import YIELD_EVERY_MESSAGES, Inbox, close_inbox, open_inbox, receive_forever, send_now
+from kcoral.service.sockets import YIELD_EVERY_MESSAGES, Inbox, close_inbox, open_inbox, send_now
 from kcoral.service.tasks import TaskSet
 
 log = structlog.get_logger("kcoral.upstream")
@@ -56,6 +60,8 @@ QUIET_ANNOUNCE_BYTES = 64 << 20
 INGEST_BYTES_PER_SECOND = 64 << 20
 
 HealthSource = Callable[[], dict[str, Any]]
+# How the relay hands its broker a client message: (the relay's identity, the frames).
+BrokerIntake = Callable[[bytes, list[zmq.Frame]], None]
 
 
 def default_node_id(listen: str) -> str:
@@ -94,6 +100,7 @@ class UpstreamLink:
         upstream: str,
         node_id: str,
         health: HealthSource,
+        to_broker: BrokerIntake,
         keys: ClientKeys | None = None,
     ) -> None:
         protocol.check_id(node_id, "node id")
@@ -101,32 +108,25 @@ class UpstreamLink:
         self.upstream = upstream
         self.node_id = node_id
         self.health = health
+        # The broker's shell takes the router's client messages here (ServiceShell.receive_local),
+        # and hands this relay's replies to on_broker_message.
+        self.to_broker = to_broker
         self.keys = keys  # CURVE on the link: the router checks this node's key (its nodes domain)
         # The relay's identity at its broker, which trusts it with the router's clients' shares.
         self.local_identity = f"u-{uuid.uuid4().hex}".encode()
-        # The broker binds its client socket here too; inproc needs no port and copies nothing.
-        self.local_endpoint = f"inproc://kcoral-upstream-{uuid.uuid4().hex}"
         self.registered = False
         self.router_instance: str | None = None
         self.in_flight: set[str] = set()
-        self._local: zmq.asyncio.Socket | None = None  # to the broker
+        self.closed = False
         self._link: zmq.asyncio.Socket | None = None  # to the router
         self._tasks = TaskSet()
 
     # --- lifecycle ---
 
     def start(self) -> None:
-        """Connect to the broker and start joining the router (call after the broker binds)."""
-        local = self.context.socket(zmq.DEALER)
-        local.setsockopt(zmq.LINGER, 0)
-        local.setsockopt(zmq.SNDHWM, LINK_HIGH_WATER_MARK)
-        local.setsockopt(zmq.RCVHWM, LINK_HIGH_WATER_MARK)
-        local.setsockopt(zmq.IDENTITY, self.local_identity)
-        local.connect(self.local_endpoint)
-        self._local = local
+        """Start joining the router (call once the broker hands this relay its replies)."""
         # Opened here, not in the task, so that a bad --upstream endpoint fails the start (ZMQError).
         link = self._open_link()
-        self._tasks.spawn(receive_forever(local, self._on_broker_message, "upstream_relay_failed"))
         self._tasks.spawn(self._link_loop(link))
         log.info("upstream_starting", upstream=self.upstream, node=self.node_id)
 
@@ -139,9 +139,7 @@ class UpstreamLink:
                 # HEARTBEAT_LIVENESS intervals before taking the node out of its pool.
                 self._link.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
         await self._tasks.cancel_all()
-        if self._local is not None:
-            self._local.close(linger=0)
-            self._local = None
+        self.closed = True  # the broker's replies to this relay fail from now on
 
     def describe(self) -> dict[str, Any]:
         """The link as the broker's HEALTH reports it (``upstream``)."""
@@ -225,11 +223,13 @@ class UpstreamLink:
         self._link = None
         sock.close()  # with the socket's own LINGER: 0, or a moment for a goodbye (see close)
         if self.in_flight:
-            # The router has failed these with node_lost (or is gone): stop them here too.
-            log.warning("upstream_cancelling_in_flight", node=self.node_id, requests=len(self.in_flight))
-            for request_id in self.in_flight:
-                self._send_local(protocol.message(protocol.CANCEL, {"request_id": request_id}))
-            self.in_flight.clear()
+            # The router has failed these with node_lost (or is gone): stop them here too. Emptied
+            # first: the broker answers each CANCEL at once, and those late replies are dropped.
+            cancelled, self.in_flight = self.in_flight, set()
+            log.warning("upstream_cancelling_in_flight", node=self.node_id, requests=len(cancelled))
+            for request_id in cancelled:
+                cancel = protocol.message(protocol.CANCEL, {"request_id": request_id})
+                self._pass_to_broker([zmq.Frame(frame) for frame in cancel])  # as received frames are
 
     def _beat(self) -> None:
         try:
@@ -277,11 +277,21 @@ class UpstreamLink:
             quiet = data_bytes / INGEST_BYTES_PER_SECOND
             self._send_link(protocol.NODE_HEARTBEAT, {**load_report(self.health()), "quiet_seconds": quiet})
             log.info("upstream_announced_quiet", node=self.node_id, request_id=request_id, seconds=round(quiet, 1))
-        if not self._send_local(frames) and command == protocol.EXECUTE:
+        if not self._pass_to_broker(frames) and command == protocol.EXECUTE and request_id in self.in_flight:
             self.in_flight.discard(request_id)
             self._send_link_frames(
                 protocol.final_error(request_id, "engine", f"node {self.node_id} could not pass the program on")
             )
+
+    def _pass_to_broker(self, frames: list[zmq.Frame]) -> bool:
+        """Hand the broker a client message; False where that raised (a bug, logged): the link
+        must outlive it. Its replies may come back (to on_broker_message) before this returns."""
+        try:
+            self.to_broker(self.local_identity, frames)
+        except Exception:
+            log.exception("upstream_broker_failed", node=self.node_id)
+            return False
+        return True
 
     def _send_link(self, command: bytes, body: dict[str, Any]) -> bool:
         return self._send_link_frames(protocol.message(command, body))
@@ -289,39 +299,38 @@ class UpstreamLink:
     def _send_link_frames(self, frames: list[Any]) -> bool:
         # IMMEDIATE: with no connection to the router right now (routine while it restarts), what
         # it would get is lost anyway.
-        return self._send(self._link, frames, log.debug, "upstream_send_failed")
-
-    def _send_local(self, frames: list[Any]) -> bool:
-        return self._send(self._local, frames, log.warning, "upstream_broker_unreachable")
-
-    def _send(self, sock: zmq.asyncio.Socket | None, frames: list[Any], report: Callable[..., Any], event: str) -> bool:
-        """Send now, or report why not (the link or the broker's socket is gone or full)."""
-        if sock is None:
+        if self._link is None:
             return False
         try:
-            send_now(sock, frames)
+            send_now(self._link, frames)
         except zmq.ZMQError as exc:
-            report(event, node=self.node_id, error=str(exc))
+            log.debug("upstream_send_failed", node=self.node_id, error=str(exc))
             return False
         return True
 
     # --- the broker ---
 
-    def _on_broker_message(self, frames: list[zmq.Frame]) -> None:
+    def on_broker_message(self, message: list[Any]) -> bool:
+        """What the broker sends this relay (the frames after the identity): a reply for the
+        router, passed on now; True unless the relay is closed (a client gone, to the broker)."""
+        if self.closed:
+            return False
         try:
-            command = protocol.check_header(frames)
+            command = protocol.check_header(message)
             if command == protocol.HEARTBEAT:
-                return
-            request_id = protocol.peek_request_id(frames[2].buffer)
+                return True
+            body = message[2]
+            request_id = protocol.peek_request_id(body.buffer if isinstance(body, zmq.Frame) else body)
         except protocol.WireError as exc:
             log.warning("bad_broker_message", node=self.node_id, error=str(exc))
-            return
+            return True
         if request_id not in self.in_flight:
-            return  # the answer to a request cancelled when an earlier link was lost
+            return True  # the answer to a request cancelled when an earlier link was lost
         if command == protocol.FINAL:
             self.in_flight.discard(request_id)
-        if not self._send_link_frames(frames):
+        if not self._send_link_frames(message):
             log.warning("upstream_reply_lost", node=self.node_id, request_id=request_id, command=command.hex())
+        return True
 
 
-__all__ = ["UpstreamLink", "default_node_id", "registration"]
+__all__ = ["BrokerIntake", "UpstreamLink", "default_node_id", "registration"]

@@ -153,6 +153,8 @@ class NodeMessages:
         state = body.get("state")
         if state == "need_blobs" and not self.port.uploads_asked(request, body):
             return
+        # Passed on before the router's own bookkeeping, which the client does not wait for.
+        self.port.relay(request.client, message, request_id)
         if state == "queued":
             # The node's broker holds every blob of the program now.
             node.remember_blobs(request.digests, self.settings.node_blob_memory)
@@ -162,7 +164,6 @@ class NodeMessages:
             gpu_ids = body.get("gpu_ids")
             if isinstance(gpu_ids, list):
                 request.gpu_ids = tuple(g for g in gpu_ids if isinstance(g, int))
-        self.port.relay(request.client, message, request_id)
 
     def _on_node_final(self, node: Node, request_id: str, message: list[Any]) -> None:
         request = node.requests.get(request_id)

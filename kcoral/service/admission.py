@@ -36,6 +36,7 @@ class Admitted:
     program: dict[str, Any]
     options: protocol.ExecuteOptions
     digests: list[str]
+    sizes: dict[str, int]  # the program's blobs as its instructions declare them (declared_sizes)
 
 
 def admit_execute(
@@ -64,13 +65,13 @@ def admit_execute(
         return refusal
     try:
         program, options, digests = protocol.parse_execute(body)
-        declared = declared_bytes(program)
+        sizes = declared_sizes(program)
     except protocol.WireError as exc:
         return Refusal("parse", str(exc))
     return (
-        refuse_size(declared, policy.max_request_bytes, service=policy.service)
+        refuse_size(sum(sizes.values()), policy.max_request_bytes, service=policy.service)
         or capacity(options)
-        or Admitted(program, options, digests)
+        or Admitted(program, options, digests, sizes)
     )
 
 

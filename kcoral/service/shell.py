@@ -8,6 +8,10 @@ blobs) and fills its dispatch table, one handler per command. The shell owns:
   passed through the message hooks, then to its command's handler; an unreadable message that still
   names a request id is answered ``parse`` (docs/protocol.md, section 9), and a handler that raises
   answers its request ``engine`` instead of leaving the client waiting;
+- local clients: a client in the service's own process (a broker's router relay,
+  kcoral/broker/upstream.py) hands its messages to :meth:`receive_local`, which takes them the way
+  the loop takes a socket's, and is handed what the service sends to its identity: no socket
+  between them, so no send, wake-up of the loop and receive per message each way;
 - one set of replies: :meth:`reply`, :meth:`reply_ok`, :meth:`refuse`, :meth:`heartbeat_clients`;
 - the requests in flight (:class:`InFlightTable`), whose emptiness ends a drain;
 - the service's tasks (:class:`~kcoral.service.tasks.TaskSet`), cancelled together;
@@ -81,6 +85,9 @@ class ClientMessage:
 
 
 Handler = Callable[[ClientMessage], None]
+# A local client takes a message the service sends it (the frames after the identity); it returns
+# False once it is gone, as a send to a closed connection fails.
+LocalClient = Callable[[list[Any]], bool]
 # A hook sees every readable message before its handler; it returns (kind, message) to refuse it.
 MessageHook = Callable[[ClientMessage], "tuple[str, str] | None"]
 
@@ -233,6 +240,7 @@ class ServiceShell(Generic[RequestT]):
         self._dispatching: bytes | None = None  # the command whose handler runs now
         self.connections = ConnectionCap(settings.max_connections_per_address)
         self._monitor: zmq.asyncio.Socket | None = None
+        self._local_clients: dict[bytes, LocalClient] = {}  # by identity: see attach_local_client
 
     # --- lifecycle ---
 
@@ -342,9 +350,20 @@ class ServiceShell(Generic[RequestT]):
 
     # --- the receive loop ---
 
+    def attach_local_client(self, identity: bytes, client: LocalClient) -> None:
+        """Hand what the service sends to ``identity`` to ``client``, in this process; ``identity``
+        is then what the client's messages to :meth:`receive_local` come from."""
+        self._local_clients[identity] = client
+
+    def receive_local(self, identity: bytes, message: list[zmq.Frame]) -> None:
+        """Take a message (the frames after the identity) from the local client ``identity`` as
+        the receive loop takes one from the socket; it is its own owner (no CURVE key)."""
+        self._on_client_message(identity, message, identity)
+
     def _on_message(self, frames: list[zmq.Frame]) -> None:
-        client = bytes(frames[0].buffer)
-        message = frames[1:]
+        self._on_client_message(bytes(frames[0].buffer), frames[1:], None)
+
+    def _on_client_message(self, client: bytes, message: list[zmq.Frame], owner: bytes | None) -> None:
         try:
             command, body, data = protocol.split_message([f.buffer for f in message])
         except protocol.WireError as exc:
@@ -356,7 +375,9 @@ class ServiceShell(Generic[RequestT]):
         except protocol.WireError as exc:
             log.warning("bad_client_message", error=str(exc), command=command.hex())
             return
-        owner = peer_identity(message[-1], client)
+        if owner is None:
+            # Only CURVE gives a message its sender's key; without, asking costs an exception.
+            owner = peer_identity(message[-1], client) if self.settings.security is not None else client
         self.dispatch(ClientMessage(client, command, request_id, body, message, data, owner))
 
     def dispatch(self, message: ClientMessage) -> None:
@@ -418,6 +439,9 @@ class ServiceShell(Generic[RequestT]):
         """Send ``message`` to ``client`` now; False when the client is gone (its connection
         closed: ROUTER_MANDATORY), True when sent or only dropped because the client does not
         read (its queue is full)."""
+        local = self._local_clients.get(client)
+        if local is not None:
+            return local(message)
         try:
             send_now(self.clients, [client, *message])
         except zmq.ZMQError as exc:
@@ -461,6 +485,7 @@ __all__ = [
     "ClientMessage",
     "InFlight",
     "InFlightTable",
+    "LocalClient",
     "MessageHook",
     "ServiceShell",
     "ShellSettings",
