@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kcoral.worker import huge_pages
+from kcoral.worker.zygote import HUGE_PAGES_AFTER_FORKS
+from tests.helpers import run_function, start_broker
 
 MIB = 1 << 20
 
@@ -19,6 +23,11 @@ def thp_mode() -> str:
     except OSError:
         return "none"
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "none"
+
+
+def kernel_version() -> tuple[int, int]:
+    major, minor = os.uname().release.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def test_only_writable_private_anonymous_mappings_are_collapsed_on_huge_page_bounds() -> None:
@@ -47,3 +56,21 @@ def test_a_process_s_touched_anonymous_memory_ends_in_huge_pages() -> None:
     if collapsed == 0:
         pytest.skip("the kernel collapsed nothing (no MADV_COLLAPSE before Linux 6.1, or no huge page free)")
     assert huge >= 32 * MIB, out.stdout
+
+
+@pytest.mark.skipif(thp_mode() == "never", reason="transparent huge pages are off on this host")
+def test_a_busy_slot_s_zygote_has_its_memory_in_huge_pages(tmp_path: Path) -> None:
+    broker = start_broker(tmp_path, "--workers", "1", "--device", "cpu")
+    try:
+        zygote = next(
+            p for p in psutil.Process(broker.process.pid).children(recursive=True) if p.name() == "kcoral-zygote"
+        )
+        assert huge_pages.anonymous_huge_bytes(zygote.pid) == 0  # not for a slot that served nothing
+        for _ in range(HUGE_PAGES_AFTER_FORKS + 1):
+            result = run_function(broker.url, "def f():\n    return 1\n", "f")
+            assert result.completed, result.error
+        if huge_pages.anonymous_huge_bytes(zygote.pid) == 0 and kernel_version() < (6, 1):
+            pytest.skip("no MADV_COLLAPSE before Linux 6.1")
+        assert huge_pages.anonymous_huge_bytes(zygote.pid) >= 16 * MIB
+    finally:
+        broker.stop()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kcoral.protocol.zygote_link import ZygoteSettings
 from kcoral.timing.trust import arm_in_zygote
-from kcoral.worker import confinement, huge_pages, limits, processes
+from kcoral.worker import confinement, limits, processes
 from kcoral.worker.memory_cgroup import WorkerCgroup
 from kcoral.worker.state import reseed_generators
 
@@ -67,8 +67,6 @@ def preload_for_workers(preload: tuple[str, ...]) -> None:
     # collections then leave these pages alone, and they stay shared with the zygote.
     gc.collect()
     gc.freeze()
-    # Last: what the collection freed is no longer spread over pages worth collapsing.
-    huge_pages.collapse_anonymous_memory()
 
 
 @dataclass

@@ -4,8 +4,9 @@ A process that has imported torch holds 150 MB and more of anonymous memory (the
 static tables, Python's objects), mapped in 4 KiB pages. Every ``fork()`` copies their page table
 entries and marks each page copy-on-write, and every worker's exit tears them down again: on the
 2-core VM 4.5 to 5 ms of the zygote's CPU per fork and 6.6 to 7.6 ms of the child's for an exit
-that ran nothing (against 1.2 and 2.3 ms without torch). Collapsed into 2 MiB pages once, before
-the first fork (``MADV_COLLAPSE``, Linux 6.1 and later), the same memory is a few hundred entries:
+that ran nothing (against 1.2 and 2.3 ms without torch). Collapsed into 2 MiB pages once
+(``MADV_COLLAPSE``, Linux 6.1 and later; the zygote does it once it has forked a few workers, see
+``HUGE_PAGES_AFTER_FORKS`` in :mod:`kcoral.worker.zygote`), the same memory is a few hundred entries:
 1.5 to 2 ms a fork and 2.8 to 3.4 ms an exit, over 1,000 forks with the zygote writing between
 them (``benchmarks/RESULTS.md``, "The zygote's heap in huge pages").
 

@@ -55,7 +55,7 @@ from kcoral.protocol.zygote_link import (
     worker_exit_fields,
     zygote_event_line,
 )
-from kcoral.worker import handover, limits, processes, workspace
+from kcoral.worker import handover, huge_pages, limits, processes, workspace
 from kcoral.worker.children import (
     FIRST_INHERITED_FD,
     PARENT_DEATH_SIGNAL,
@@ -84,6 +84,10 @@ QUIET_POLL_SECONDS = 0.002
 ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several of these for stuck
 READ_CHUNK_BYTES = 65536
 MAX_FREE_CGROUPS = 2  # exited workers' memory cgroups kept for the next forks of the slot
+# The zygote's memory goes into huge pages (kcoral.worker.huge_pages) once it has forked this many
+# workers: collapsing took 60 to 400 ms of the 2-core VM's CPU, which each fork and exit then
+# saves about 5 ms of, and a slot that serves a handful of programs (a test's) never gains it back.
+HUGE_PAGES_AFTER_FORKS = 8
 
 
 def emit(event: ZygoteEvent, **fields: Any) -> None:
@@ -312,6 +316,9 @@ class Zygote:
         of a program's (the broker tells the GPU's next lease holder so, see GRANT)."""
         self.spare = self.fork_worker()
         emit(ZygoteEvent.SPARE, worker=self.spare.identity, pid=self.spare.pid)
+        if self.generation == HUGE_PAGES_AFTER_FORKS:
+            # Once, while the current worker waits for or runs its program (see HUGE_PAGES_AFTER_FORKS).
+            huge_pages.collapse_anonymous_memory()
 
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
