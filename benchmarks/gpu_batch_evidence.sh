@@ -179,8 +179,9 @@ part cpu-path "${CPU_PATH_S:-90}" "$PY" benchmarks/overhead.py --requests 400 --
     --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-path.json"
 part cpu-session "${CPU_SESSION_S:-60}" "$PY" benchmarks/overhead.py --phases --session --requests 300 \
     --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-session.json"
+# With BASE, the hop of this tree and of BASE's, alternated in one run.
 part router-hop "${ROUTER_S:-90}" "$PY" benchmarks/overhead.py --router --requests 300 --rounds 3 \
-    --json "$OUT/router-hop.json"
+    ${BASE:+--against "$BASE"} --json "$OUT/router-hop.json"
 # The federation's mix: FEDERATION_MIX (default: the load generator's own, mostly programs of a
 # fixed length, so that its rate is the slots' and not one process's CPU).
 FEDERATION_MIX=${FEDERATION_MIX:-constant=4,sleep:0.05=3,lease:0.02=3,tensor:256K=2,crash=1,raise=1,timeout:1=1}
