@@ -84,13 +84,14 @@ class RunDirectory:
         """``run_dir`` and its subdirectories, for the program about to run; ``keep``: noted as made,
         to be kept after it (not for a worker's last program, whose workspace the zygote wipes)."""
         kept, self._kept = self._kept, None
-        if kept is None and not self._made:
-            kept = self._adopt_ready()
+        times_ns = self._made[""].times_ns if kept is not None else (0, 0)
+        if kept is None and not self._made and (ready := self._ready()) is not None:
+            kept, times_ns = ready
         if kept is not None and kept != run_dir:
             try:
                 os.rename(kept, run_dir)
                 # (ext4 stamps a renamed directory's modification time)
-                os.utime(run_dir, ns=self._made[""].times_ns, follow_symlinks=False)
+                os.utime(run_dir, ns=times_ns, follow_symlinks=False)
             except OSError:
                 workspace_files.wipe(self.workspace)
                 kept = None
@@ -101,20 +102,21 @@ class RunDirectory:
         if keep and not self._made:  # as made, once all are (each subdirectory changes the run directory)
             self._made = {name: _describe(run_dir / name) for name in ("", *SUBDIRECTORIES)}
 
-    def _adopt_ready(self) -> Path | None:
-        """The zygote's emptied run directory (READY_NAME) for this worker's first program, noted
-        as it is now; None where there is none to take."""
+    def _ready(self) -> tuple[Path, tuple[int, int]] | None:
+        """The zygote's emptied run directory (READY_NAME) for this worker's first program, and its
+        times; None where there is none to take. Only the directory itself is looked at:
+        the zygote made it ready after every process of the slot's last program had gone, and
+        nothing but this worker has run in the slot since (a missing subdirectory is made)."""
         if not self.take_ready:
             return None
         ready = self.workspace / READY_NAME
-        names = ("", *SUBDIRECTORIES)
         try:
-            if not all(stat.S_ISDIR(os.lstat(ready / name).st_mode) for name in names):
-                return None
-            self._made = {name: _describe(ready / name) for name in names}
+            now = os.lstat(ready)
         except OSError:
             return None
-        return ready
+        if not stat.S_ISDIR(now.st_mode):
+            return None
+        return ready, (now.st_atime_ns, now.st_mtime_ns)
 
     def find_made(self) -> Path | None:
         """The entry of the workspace that is the run directory this keeper made (the worker

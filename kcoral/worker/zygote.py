@@ -85,8 +85,9 @@ ALIVE_INTERVAL_SECONDS = 1.0  # the supervisor takes a zygote silent for several
 READ_CHUNK_BYTES = 65536
 MAX_FREE_CGROUPS = 2  # exited workers' memory cgroups kept for the next forks of the slot
 # The zygote's memory goes into huge pages (kcoral.worker.huge_pages) once it has forked this many
-# workers: collapsing took 60 to 400 ms of the 2-core VM's CPU, which each fork and exit then
-# saves about 5 ms of, and a slot that serves a handful of programs (a test's) never gains it back.
+# workers, a piece at a time when no event waits: collapsing took 60 to 400 ms of the 2-core VM's
+# CPU, which each fork and exit then saves about 5 ms of, and a slot that serves a handful of
+# programs (a test's) never gains it back.
 HUGE_PAGES_AFTER_FORKS = 8
 
 
@@ -121,6 +122,7 @@ class Zygote:
         self.private_ipc = private_ipc  # the IPC namespace is the slot's own: System V objects go between programs
         self.watchdog = Watchdog(settings.limits, settings.workspace, private_ipc=private_ipc)
         self.runs = RunDirectory(settings.workspace, take_ready=False)  # the next worker's run directory
+        self.collapse: huge_pages.Collapse | None = None  # under way: see HUGE_PAGES_AFTER_FORKS
         self.generation = 0
         self.stopping = False
         self.current: Child | None = None
@@ -317,8 +319,8 @@ class Zygote:
         self.spare = self.fork_worker()
         emit(ZygoteEvent.SPARE, worker=self.spare.identity, pid=self.spare.pid)
         if self.generation == HUGE_PAGES_AFTER_FORKS:
-            # Once, while the current worker waits for or runs its program (see HUGE_PAGES_AFTER_FORKS).
-            huge_pages.collapse_anonymous_memory()
+            # Once, a piece at a time whenever no event waits (wait_for_event).
+            self.collapse = huge_pages.Collapse()
 
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
@@ -342,7 +344,12 @@ class Zygote:
             timeout = min(timeout, WATCH_INTERVAL_SECONDS)
         if self.current is not None and self.current.quiet_watch:
             timeout = min(timeout, QUIET_POLL_SECONDS)
-        for key, _ in self.selector.select(timeout=timeout):
+        if self.collapse is not None:
+            timeout = 0.0
+        ready = self.selector.select(timeout=timeout)
+        if not ready and self.collapse is not None and not self.collapse.step():
+            self.collapse = None
+        for key, _ in ready:
             if key.data == "commands":
                 self.read_commands()
             elif isinstance(key.data, WorkerCgroup):
