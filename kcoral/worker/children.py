@@ -141,6 +141,7 @@ def become_worker(
     ``cgroup``: the memory cgroup it joins first of all (the zygote checks before its go)."""
     code = EXIT_WORKER_CRASHED
     try:
+        processes.set_process_name("kcoral-worker")  # first: the join below can take milliseconds
         if cgroup is not None:
             with contextlib.suppress(OSError):  # the zygote's check joins it, or says it has none
                 cgroup.join(os.getpid())
@@ -156,7 +157,6 @@ def become_worker(
         processes.set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != zygote_pid:  # the zygote died before the line above took effect
             os._exit(code)
-        processes.set_process_name("kcoral-worker")
         processes.set_child_subreaper()  # a program's orphans come back to the worker, to be found
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, PARENT_DEATH_SIGNAL):
             signal.signal(sig, signal.SIG_DFL)
