@@ -386,16 +386,16 @@ class Broker:
         self.intake.forget(request)
         if request.state == RequestState.QUEUED:
             self.queue.remove(request)
-        result = body.get("result") or {}
         now = time.monotonic()
+        request.state = RequestState.DONE
+        self.shell.reply(request.client, protocol.FINAL, body, *frames)  # first: the client waits for it
+        result = body.get("result") or {}
         ran = request.started_at and request.queued_at
         self.metrics.program_finished(
             body,
             end_to_end_seconds=now - request.received_at,
             queue_seconds=(request.started_at - request.queued_at) if ran else None,
         )
-        request.state = RequestState.DONE
-        self.shell.reply(request.client, protocol.FINAL, body, *frames)
         log.info(
             "request_finished",
             request_id=request.id,
