@@ -197,7 +197,11 @@ class Zygote:
             self.runs = RunDirectory(self.settings.workspace, take_ready=False)
             workspace.wipe(self.settings.workspace)
         if ready:
-            self.runs.make(self.settings.workspace / READY_NAME)
+            try:
+                self.runs.make(self.settings.workspace / READY_NAME)
+            except OSError:  # a full disk, say: the next worker makes its own, as before
+                self.runs = RunDirectory(self.settings.workspace, take_ready=False)
+                workspace.wipe(self.settings.workspace)
         if self.cgroups is not None:
             self.cgroups.remove_leftovers({c.cgroup.name for c in self.children() if c.cgroup is not None})
         if self.private_ipc:
