@@ -279,13 +279,13 @@ class WorkerMessages:
         # The worker stops at the limit (error kind response_too_large) instead of sending it all.
         stopped = isinstance(error, dict) and error.get("kind") == "response_too_large"
         if stopped or response_bytes > self.settings.max_response_bytes:
+            if retire is not None:
+                retire()  # before the failure's kill, as every kill of a worker that sent its RESULT
             self.port.fail(
                 request,
                 "response_too_large",
                 f"the results are over {self.settings.max_response_bytes} bytes, the most this broker returns",
             )
-            if retire is not None:
-                retire()
             self.port.dispatch()
             return
         queue_ms = (request.started_at - request.queued_at) * 1000
