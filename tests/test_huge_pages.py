@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -71,6 +72,9 @@ def test_a_busy_slot_s_zygote_has_its_memory_in_huge_pages(tmp_path: Path) -> No
             assert result.completed, result.error
         if huge_pages.anonymous_huge_bytes(zygote.pid) == 0 and kernel_version() < (6, 1):
             pytest.skip("no MADV_COLLAPSE before Linux 6.1")
+        deadline = time.monotonic() + 20  # a piece at a time, while the zygote has nothing to do
+        while huge_pages.anonymous_huge_bytes(zygote.pid) < 16 * MIB and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert huge_pages.anonymous_huge_bytes(zygote.pid) >= 16 * MIB
     finally:
         broker.stop()
