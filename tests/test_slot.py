@@ -997,6 +997,78 @@ def test_7_the_quota_counts_the_disk_files_take_not_their_names_or_holes(
     assert_next_programs_untouched(service.url)
 
 
+# --- 7b. The run directory a fresh worker gets from the one before ---------------------------------
+
+RUN_DIRECTORY_MARKS = """
+import os
+def mark(how):
+    work = os.getcwd()
+    run = os.path.dirname(work)
+    root = os.path.dirname(run)
+    if how == "leftovers":
+        for name in ("work", "home", "tmp"):
+            with open(os.path.join(run, name, "left.txt"), "w") as out:
+                out.write("the last program's")
+        os.mkdir(os.path.join(root, "beside"))
+    elif how == "modes":
+        os.chmod(run, 0o2777)
+        os.chmod(os.path.join(run, "home"), 0o3777)
+        os.chmod(os.path.join(run, "tmp"), 0)
+    elif how == "xattr":
+        try:
+            os.setxattr(os.path.join(run, "home"), "user.mark", b"the last program's")
+        except OSError:
+            pass  # a filesystem without user attributes: nothing to hand on
+    elif how == "grown":
+        for number in range(3000):
+            open(os.path.join(run, "home", "a-long-name-for-a-file-%06d" % number), "w").close()
+        for number in range(3000):
+            os.unlink(os.path.join(run, "home", "a-long-name-for-a-file-%06d" % number))
+    elif how == "replaced":
+        os.chdir(root)
+        os.rename(run, os.path.join(root, "moved"))
+        os.makedirs(os.path.join(run, "home", "planted"))
+    elif how == "squatted":
+        os.makedirs(os.path.join(root, "run-ready", "home", "planted"))
+        os.makedirs(os.path.join(root, "run-ready", "work"))
+    return how
+"""
+
+RUN_DIRECTORY_LOOK = """
+import os
+def look():
+    run = os.path.dirname(os.getcwd())
+    root = os.path.dirname(run)
+    seen = {"workspace": sorted(e for e in os.listdir(root) if e != ".shm" and e != os.path.basename(run))}
+    for name in ("", "work", "home", "tmp"):
+        path = os.path.join(run, name)
+        info = os.lstat(path)
+        try:
+            xattrs = sorted(os.listxattr(path))
+        except OSError:
+            xattrs = []
+        seen[name or "run"] = [oct(info.st_mode), sorted(os.listdir(path)), xattrs, info.st_size]
+    return seen
+"""
+
+
+@pytest.mark.parametrize("how", ["leftovers", "modes", "xattr", "grown", "replaced", "squatted"])
+def test_7_b_the_next_fresh_worker_s_run_directory_is_as_new_whatever_the_last_program_did(
+    single: RunningBroker, how: str
+) -> None:
+    # The slot's zygote hands each fresh worker the last one's run directory, emptied and as made
+    # (kcoral.worker.run_directory): nothing the program did to it may reach the next one.
+    looked = [execute(single.url, program_of(RUN_DIRECTORY_LOOK, "look", cpu_only=True)) for _ in range(2)]
+    assert all(r.completed for r in looked), [r.error for r in looked]
+    as_new = looked[1].results["out"]
+    assert looked[0].results["out"] == as_new and as_new["workspace"] == [], as_new
+    marked = execute(single.url, program_of(RUN_DIRECTORY_MARKS, "mark", how, cpu_only=True))
+    assert marked.completed, marked.error
+    after = execute(single.url, program_of(RUN_DIRECTORY_LOOK, "look", cpu_only=True))
+    assert after.completed, after.error
+    assert after.results["out"] == as_new
+
+
 # --- 8. Progress floods ---------------------------------------------------------------------------
 
 FLOODER = """
