@@ -190,18 +190,16 @@ class Zygote:
         in it stands in the way (:mod:`kcoral.worker.run_directory`), else a new one. Removing
         and making its five directories each time cost the zygote a sixth of its busy time on the
         2-core VM, and the worker its making on the program's path."""
-        last_run = self.runs.find_made()
-        if last_run is not None and ready:
+        last_run = self.runs.find_made() if ready else None
+        if last_run is not None:
             self.runs.wipe(last_run)  # kept where it can be (else everything goes), the rest removed
         else:
-            self.runs = RunDirectory(self.settings.workspace, take_ready=False)
-            workspace.wipe(self.settings.workspace)
+            self.wipe_workspace()
         if ready:
             try:
                 self.runs.make(self.settings.workspace / READY_NAME)
             except OSError:  # a full disk, say: the next worker makes its own, as before
-                self.runs = RunDirectory(self.settings.workspace, take_ready=False)
-                workspace.wipe(self.settings.workspace)
+                self.wipe_workspace()
         if self.cgroups is not None:
             self.cgroups.remove_leftovers({c.cgroup.name for c in self.children() if c.cgroup is not None})
         if self.private_ipc:
@@ -209,6 +207,12 @@ class Zygote:
         if self.settings.sandboxed:
             workspace.clear_keyrings()
             workspace.remove_message_queues()
+
+    def wipe_workspace(self) -> None:
+        """Remove everything in the slot's workspace, the run directory made for the next worker
+        included (the next one is made anew)."""
+        self.runs = RunDirectory(self.settings.workspace, take_ready=False)
+        workspace.wipe(self.settings.workspace)
 
     def children(self) -> list[Child]:
         return [c for c in (self.current, self.spare) if c is not None]
