@@ -19,7 +19,7 @@ from kcoral import Program, protocol
 from kcoral.broker.blobs import BlobStore, BlobStoreSettings
 from kcoral.broker.intake import OFF_LOOP_UPLOAD_BYTES, IntakeSettings, ProgramIntake
 from kcoral.broker.requests import Request
-from kcoral.service.admission import declared_bytes, refuse_gpu_count, refuse_new_request, refuse_size
+from kcoral.service.admission import declared_sizes, refuse_gpu_count, refuse_new_request, refuse_size
 from kcoral.service.shell import ClientMessage, InFlightTable
 from kcoral.service.tasks import TaskSet
 
@@ -161,7 +161,7 @@ def test_a_round_that_brings_blobs_restarts_the_deadline() -> None:
 def test_declared_sizes_over_the_limit_are_refused_before_any_blob() -> None:
     async def main() -> None:
         t = make_intake(max_request_bytes=250)
-        assert declared_bytes(PROGRAM) == 300
+        assert sum(declared_sizes(PROGRAM).values()) == 300
         t.intake.on_execute(execute("r1", PROGRAM, {}))
         assert t.broker.refused == [(ALICE, "r1", "request_too_large")]
         assert len(t.broker.requests) == 0 and t.broker.told == []
@@ -293,4 +293,4 @@ def test_a_tensor_counts_once_however_often_it_is_named(count: int) -> None:
     for i in range(count):
         program.return_(key=f"k{i}", value=tensor)
     wire, _ = program.to_wire()
-    assert declared_bytes(protocol.unpack_map(protocol.pack(wire))) == 32
+    assert sum(declared_sizes(protocol.unpack_map(protocol.pack(wire))).values()) == 32

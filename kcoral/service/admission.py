@@ -116,11 +116,6 @@ def refuse_gpu_count(gpu_count: int, most: int, *, where: str) -> Refusal | None
     return None
 
 
-def declared_bytes(program: dict[str, Any]) -> int:
-    """The bytes of a program's blobs as its instructions declare them, each digest once."""
-    return sum(declared_sizes(program).values())
-
-
 def declared_sizes(program: dict[str, Any]) -> dict[str, int]:
     """The size of each of a program's blobs as its instructions declare it.
 
@@ -155,7 +150,6 @@ __all__ = [
     "Admitted",
     "Refusal",
     "admit_execute",
-    "declared_bytes",
     "declared_sizes",
     "refuse_gpu_count",
     "refuse_new_request",
