@@ -12,13 +12,18 @@ the edge that announced incoming messages: after each send the inbox looks at th
 again and wakes its reader where a message waits, so that a queued message never waits for the
 next one to arrive (without it, 8 programs in flight stalled for seconds; see zeromq/pyzmq#1208
 for the same in pyzmq's own futures).
+
+A socket's reader either awaits :meth:`Inbox.receive` (one message at a time, with a deadline where
+it needs one) or hands :meth:`Inbox.serve` a handler, which the inbox calls with each message from
+the loop's own callback for the descriptor: no task is woken per message, so a message is handled
+in the loop iteration that found it, not the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -44,10 +49,19 @@ class Inbox:
         self._descriptor = int(self._raw.get(zmq.FD))
         self._loop.add_reader(self._descriptor, self._on_descriptor)
         self.closed = False
+        # serve(): the handler, the messages it takes before other callbacks get a turn, whether
+        # it is being called now or is to be called soon, and what serve() returned.
+        self._handler: Callable[[list[zmq.Frame]], None] | None = None
+        self._batch = 0
+        self._draining = False
+        self._drain_soon: asyncio.Handle | None = None
+        self._served: asyncio.Future[None] | None = None
 
     def _on_descriptor(self) -> None:
         self._wake.set()
         self._room.set()
+        if self._handler is not None:
+            self._drain()
 
     def _events(self) -> int:
         """The socket's events now (0 once it is closed). Reading them may take the edge that
@@ -57,6 +71,9 @@ class Inbox:
         events = int(self._raw.get(zmq.EVENTS))
         if events & zmq.POLLIN:
             self._wake.set()
+            if self._handler is not None and not self._draining and self._drain_soon is None:
+                # Not from inside another message's handling (a send may find this one): next.
+                self._drain_soon = self._loop.call_soon(self._drain)
         if events & zmq.POLLOUT:
             self._room.set()
         return events
@@ -118,12 +135,60 @@ class Inbox:
                 async with asyncio.timeout(left):
                     await self._wake.wait()
 
+    def serve(self, handler: Callable[[list[zmq.Frame]], None], batch: int) -> asyncio.Future[None]:
+        """Call ``handler`` with every message, those waiting now first, until the inbox is closed
+        (the future returned is then done), at most ``batch`` in a row before the loop's other
+        callbacks get their turn. ``handler`` must not raise; it may send on this or any socket."""
+        if self._handler is not None or self._served is not None:
+            raise RuntimeError("this inbox is already served")
+        self._handler, self._batch = handler, max(1, batch)
+        self._served = self._loop.create_future()
+        if self.closed:
+            self._served.set_result(None)
+        else:
+            self._drain_soon = self._loop.call_soon(self._drain)
+        return self._served
+
+    def _drain(self) -> None:
+        """Hand the handler what waits, until the socket says nothing does (its descriptor is
+        edge-triggered: what is left unread wakes nobody) or the batch is taken."""
+        self._drain_soon = None
+        if self._draining or self._handler is None:
+            return
+        self._draining = True
+        try:
+            for _ in range(self._batch):
+                if self.closed or not self._events() & zmq.POLLIN:
+                    return
+                try:
+                    frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as exc:  # the socket or its context is gone: serve() raises it
+                    self._handler = None
+                    if self._served is not None and not self._served.done():
+                        self._served.set_exception(exc)
+                    return
+                self._handler(frames)
+                # Dropped now, not with the next message: a large upload or result would otherwise
+                # stay in memory for as long as the socket is quiet.
+                del frames
+            if not self.closed and self._drain_soon is None:
+                self._drain_soon = self._loop.call_soon(self._drain)  # more may wait: after the others
+        finally:
+            self._draining = False
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self._wake.set()  # a reader waiting wakes, and finds the inbox closed
         self._room.set()
+        if self._drain_soon is not None:
+            self._drain_soon.cancel()
+            self._drain_soon = None
+        if self._served is not None and not self._served.done():
+            self._served.set_result(None)
         if not self.sock.closed and not self._loop.is_closed():
             self._loop.remove_reader(self._descriptor)
 

@@ -53,6 +53,8 @@ INTERRUPT_WAIT_SECONDS = 2.0
 # Pieces of a blob sent ahead of the service's answers (docs/protocol.md, section 7): the upload
 # waits for no round trip, and holds at most this many frame limits in flight.
 PIECES_IN_FLIGHT = 4
+# Replies handled in a row before the client's other callbacks (its calls' timers) get a turn.
+REPLIES_IN_A_ROW = 64
 
 
 class ClientState(enum.Enum):
@@ -428,23 +430,22 @@ class AsyncClient:
 
     async def _read_loop(self) -> None:
         assert self._inbox is not None
-        while True:
-            try:
-                raw = await self._inbox.receive()
-            except zmq.ZMQError:
-                return
-            if raw is None:
-                return  # the inbox is closed
-            self._last_heard = time.monotonic()
-            try:
-                command, body, frames = protocol.split_message([f.buffer for f in raw])
-            except protocol.WireError:
-                continue  # a reply we cannot read is dropped; the request times out visibly
-            if command == protocol.HEARTBEAT:
-                continue
-            queue = self._pending.get(str(body.get("request_id")))
-            if queue is not None:
-                queue.put_nowait((command, body, frames))
+        with contextlib.suppress(zmq.ZMQError):  # the socket is gone: so is its reading
+            await self._inbox.serve(self._on_reply, REPLIES_IN_A_ROW)
+
+    def _on_reply(self, raw: list[zmq.Frame]) -> None:
+        """One message from the service, handed to the request that waits for it (in the loop's
+        callback for the socket: see :meth:`kcoral.inbox.Inbox.serve`)."""
+        self._last_heard = time.monotonic()
+        try:
+            command, body, frames = protocol.split_message([f.buffer for f in raw])
+        except protocol.WireError:
+            return  # a reply we cannot read is dropped; the request times out visibly
+        if command == protocol.HEARTBEAT:
+            return
+        queue = self._pending.get(str(body.get("request_id")))
+        if queue is not None:
+            queue.put_nowait((command, body, frames))
 
 
 __all__ = ["AsyncClient", "ClientState", "build_result", "check_execute_options", "map_zmq_errors", "resolve_url"]

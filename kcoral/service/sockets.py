@@ -25,8 +25,7 @@ from kcoral.inbox import Inbox
 log = structlog.get_logger("kcoral.sockets")
 
 SOCKET_HIGH_WATER_MARK = 100_000
-# The receive loops hand control back to the event loop after this many messages in a row: with
-# messages queued, pyzmq's receive futures are done at once and an ``await`` never yields, so a
+# The receive loops hand control back to the event loop after this many messages in a row: a
 # flood would otherwise starve heartbeats, timers and the other sockets.
 YIELD_EVERY_MESSAGES = 64
 
@@ -89,26 +88,20 @@ def messages_waiting(sock: zmq.asyncio.Socket) -> bool:
 
 
 async def receive_forever(sock: zmq.asyncio.Socket, handle: MessageHandler, failure_event: str) -> None:
-    """Hand every message to ``handle``; one that raises is logged and never stops the loop (see
-    :class:`Inbox`: the socket is this loop's alone to read)."""
+    """Hand every message to ``handle`` until the socket's inbox is closed or this is cancelled;
+    one that raises is logged and never stops the reading (see :class:`Inbox`: the socket is this
+    loop's alone to read). ``handle`` runs in the loop's callback for the socket, at most
+    YIELD_EVERY_MESSAGES in a row before the loop's other work gets a turn."""
     inbox = open_inbox(sock)
-    in_a_row = 0
+
+    def take(frames: list[zmq.Frame]) -> None:
+        try:
+            handle(frames)
+        except Exception:
+            log.exception(failure_event)
+
     try:
-        while True:
-            frames = await inbox.receive()
-            if frames is None:
-                return  # closed
-            try:
-                handle(frames)
-            except Exception:
-                log.exception(failure_event)
-            # Drop this message's frames now, not when the next message arrives: a large upload or
-            # result would otherwise stay in memory for as long as the socket is quiet.
-            del frames
-            in_a_row += 1
-            if in_a_row >= YIELD_EVERY_MESSAGES:
-                in_a_row = 0
-                await asyncio.sleep(0)
+        await inbox.serve(take, YIELD_EVERY_MESSAGES)
     finally:
         close_inbox(inbox)
 
