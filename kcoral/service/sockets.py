@@ -90,18 +90,29 @@ def messages_waiting(sock: zmq.asyncio.Socket) -> bool:
 async def receive_forever(sock: zmq.asyncio.Socket, handle: MessageHandler, failure_event: str) -> None:
     """Hand every message to ``handle`` until the socket's inbox is closed or this is cancelled;
     one that raises is logged and never stops the reading (see :class:`Inbox`: the socket is this
-    loop's alone to read). ``handle`` runs in the loop's callback for the socket, at most
-    YIELD_EVERY_MESSAGES in a row before the loop's other work gets a turn."""
+    loop's alone to read). The loop's other work gets a turn after YIELD_EVERY_MESSAGES in a row.
+
+    A task, not :meth:`Inbox.serve`: served from the descriptor's callback, the service's sockets
+    gained nothing measurable on the H200 and a session's GPU programs with 8 in flight ran 10 to
+    30% fewer a second (benchmarks/RESULTS.md, 2026-12-03); the client's one socket keeps serve."""
     inbox = open_inbox(sock)
-
-    def take(frames: list[zmq.Frame]) -> None:
-        try:
-            handle(frames)
-        except Exception:
-            log.exception(failure_event)
-
+    in_a_row = 0
     try:
-        await inbox.serve(take, YIELD_EVERY_MESSAGES)
+        while True:
+            frames = await inbox.receive()
+            if frames is None:
+                return  # closed
+            try:
+                handle(frames)
+            except Exception:
+                log.exception(failure_event)
+            # Drop this message's frames now, not when the next message arrives: a large upload or
+            # result would otherwise stay in memory for as long as the socket is quiet.
+            del frames
+            in_a_row += 1
+            if in_a_row >= YIELD_EVERY_MESSAGES:
+                in_a_row = 0
+                await asyncio.sleep(0)
     finally:
         close_inbox(inbox)
 
