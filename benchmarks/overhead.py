@@ -26,7 +26,9 @@ in one client session (``Client(session=True)``), one worker for all of them.
 ``--against DIR`` compares two versions as ``--curve-cost`` does two brokers: one of this checkout and one of the
 checkout at DIR (a second worktree at an older commit, say), alternated round by round, each
 measured through the same client; with ``--session`` every client (one at a time, and the one
-with N in flight) runs its programs in its session.
+with N in flight) runs its programs in its session. Both brokers run from their source trees
+(``PYTHONPATH``), this one too, so that they differ in their code alone; every measurement waits
+until both have all their workers ready (see :func:`settle`).
 
 ``--router`` measures the router's hop: one broker that joins a ``kcoral router``, reached directly
 and through the router, alternated round by round in one run (the router's p50 less the direct one's
@@ -45,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,8 @@ from benchmarks.common import (
 )
 from kcoral import AsyncClient, Client
 from kcoral.keys import ClientKeys, generate_keypair
+
+THIS_CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 def zmq_round_trips(count: int) -> list[float]:
@@ -199,10 +203,10 @@ def print_phases(samples: dict[str, list[float]], flags: str) -> None:
     rows = []
     for name, values in samples.items():
         stats = percentiles(values)
-        rows.append([name, stats["p50_ms"], float(np.percentile(values, 90)), stats["mean_ms"]])
+        rows.append([name, stats["p50_ms"], float(np.percentile(values, 90)), stats["p99_ms"], stats["mean_ms"]])
     print_table(
         f"Where a constant program's time goes, one at a time ({machine()}, broker: {flags})",
-        ["phase", "p50 ms", "p90 ms", "mean ms"],
+        ["phase", "p50 ms", "p90 ms", "p99 ms", "mean ms"],
         rows,
     )
 
@@ -326,7 +330,7 @@ def against(args: argparse.Namespace) -> int:
     flags = args.broker_flags.split()
     with (
         broker(*flags, checkout=args.against.resolve()) as (other_url, other),
-        broker(*flags) as (this_url, this),
+        broker(*flags, checkout=THIS_CHECKOUT) as (this_url, this),
     ):
         pids = {"other": other.pid, "this": this.pid}
         rows, rates = alternate(args, {"other": (other_url, None), "this": (this_url, None)}, pids)
@@ -345,7 +349,7 @@ def against(args: argparse.Namespace) -> int:
 def router_hop(args: argparse.Namespace) -> int:
     """The constant program's p50 and the rate with N in flight, directly and through the router
     (of this checkout, and with ``--against`` of the one at DIR too)."""
-    trees = {"": None} if args.against is None else {"other ": args.against.resolve(), "this ": None}
+    trees = {"": None} if args.against is None else {"other ": args.against.resolve(), "this ": THIS_CHECKOUT}
     urls: dict[str, str] = {}
     wire: dict[str, list[float]] = {}  # client -> broker and back, per program
     with contextlib.ExitStack() as stack:
@@ -391,6 +395,23 @@ def in_turn(names: list[str], rounds: int) -> Iterator[str]:
         yield from (names[::-1] if index % 2 else names)
 
 
+def settle(brokers: Iterable[tuple[str, ClientKeys | None]], timeout_seconds: float = 60.0) -> None:
+    """Wait until every broker of the run has all its workers ready again. After N in flight a
+    broker's zygotes are still forking its workers for a while: the next one-at-a-time programs,
+    of that broker or another beside it, read slower for it, and in_turn's order measures one of
+    two brokers right after its own burst once more than the other (on the H200, one tree against
+    itself: p99 11.6 against 5.2 ms, one at a time 256.5 against 274.5/s). A router's URL (no
+    workers of its own in its health) counts as settled."""
+    deadline = time.monotonic() + timeout_seconds
+    for url, keys in brokers:
+        with Client(url, keys=keys) as client:
+            while time.monotonic() < deadline:
+                workers = client.health().get("workers")
+                if not isinstance(workers, dict) or workers.get("idle", 0) >= workers.get("slots", 0):
+                    break
+                time.sleep(0.05)
+
+
 def alternate(
     args: argparse.Namespace,
     brokers: dict[str, tuple[str, ClientKeys | None]],
@@ -406,6 +427,7 @@ def alternate(
     per_round = max(1, args.requests // args.rounds)
     for name in in_turn(list(brokers), args.rounds):
         url, key = brokers[name]
+        settle(brokers.values())
         samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
         pid = (pids or {}).get(name)
         broker_before, client_before = process_cpu_seconds(pid) if pid else 0.0, time.process_time()
