@@ -26,9 +26,11 @@ in one client session (``Client(session=True)``), one worker for all of them.
 ``--against DIR`` compares two versions as ``--curve-cost`` does two brokers: one of this checkout and one of the
 checkout at DIR (a second worktree at an older commit, say), alternated round by round, each
 measured through the same client; with ``--session`` every client (one at a time, and the one
-with N in flight) runs its programs in its session. Both brokers run from their source trees
-(``PYTHONPATH``), this one too, so that they differ in their code alone; every measurement waits
-until both have all their workers ready (see :func:`settle`).
+with N in flight) runs its programs in its session. Each measurement starts its broker from its
+source tree (``PYTHONPATH``; this one too) and stops it after, so that one broker runs at a time:
+with the two side by side for the whole run, the one started second read worse one at a time
+(the same tree against itself on the H200: p99 11.2 against 5.3 ms, 252 against 278 programs a
+second), whatever the order of the measurements and the workers' readiness before each.
 
 ``--router`` measures the router's hop: one broker that joins a ``kcoral router``, reached directly
 and through the router, alternated round by round in one run (the router's p50 less the direct one's
@@ -47,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,26 @@ from kcoral import AsyncClient, Client
 from kcoral.keys import ClientKeys, generate_keypair
 
 THIS_CHECKOUT = Path(__file__).resolve().parent.parent
+# What alternate() measures, each time it measures it: a context that yields a broker's URL, the
+# keys to reach it and its process's PID (None: its CPU is not read), a running broker's or a
+# broker started for the measurement and stopped after it.
+Opener = Callable[[], contextlib.AbstractContextManager[tuple[str, ClientKeys | None, int | None]]]
+
+
+def running(url: str, keys: ClientKeys | None = None, pid: int | None = None) -> Opener:
+    """A broker that runs for the whole comparison."""
+    return lambda: contextlib.nullcontext((url, keys, pid))
+
+
+def started(flags: Sequence[str], checkout: Path) -> Opener:
+    """A broker of ``checkout`` started for each measurement and stopped after it."""
+
+    @contextlib.contextmanager
+    def opened() -> Iterator[tuple[str, ClientKeys | None, int | None]]:
+        with broker(*flags, checkout=checkout) as (url, process):
+            yield url, None, process.pid
+
+    return opened
 
 
 def zmq_round_trips(count: int) -> list[float]:
@@ -299,7 +321,7 @@ def curve_cost(args: argparse.Namespace) -> int:
         ]
         flags = args.broker_flags.split()
         with broker(*flags) as (plain_url, _), broker(*flags, *curve_flags, keys=keys) as (curve_url, _):
-            rows, rates = alternate(args, {"plain": (plain_url, None), "curve": (curve_url, keys)})
+            rows, rates = alternate(args, {"plain": running(plain_url), "curve": running(curve_url, keys)})
     print_table(
         f"CurveZMQ cost ({machine()}, broker: {args.broker_flags}, {args.rounds} alternating rounds)",
         alternated_columns("broker", args.in_flight),
@@ -328,12 +350,8 @@ def alternated_columns(first: str, in_flight: int) -> list[str]:
 def against(args: argparse.Namespace) -> int:
     """The constant program's p50 and the rate with N in flight, on this checkout and on ``--against``."""
     flags = args.broker_flags.split()
-    with (
-        broker(*flags, checkout=args.against.resolve()) as (other_url, other),
-        broker(*flags, checkout=THIS_CHECKOUT) as (this_url, this),
-    ):
-        pids = {"other": other.pid, "this": this.pid}
-        rows, rates = alternate(args, {"other": (other_url, None), "this": (this_url, None)}, pids)
+    other, this = started(flags, args.against.resolve()), started(flags, THIS_CHECKOUT)
+    rows, rates = alternate(args, {"other": other, "this": this})
     print_table(
         f"This checkout against {args.against} ({machine()}, broker: {args.broker_flags}, "
         f"{args.rounds} alternating rounds)",
@@ -359,7 +377,7 @@ def router_hop(args: argparse.Namespace) -> int:
         rows: list[list[Any]] = []
         rates: dict[str, list[float]] = {}
         if not args.wire_only:
-            rows, rates = alternate(args, {name: (url, None) for name, url in urls.items()})
+            rows, rates = alternate(args, {name: running(url) for name, url in urls.items()})
         # The hop alone, without the fresh worker's noise: the client -> broker and broker ->
         # client phases of each program (its broker's timeline), alternated round by round too.
         for name in in_turn(list(urls), args.rounds):
@@ -395,47 +413,26 @@ def in_turn(names: list[str], rounds: int) -> Iterator[str]:
         yield from (names[::-1] if index % 2 else names)
 
 
-def settle(brokers: Iterable[tuple[str, ClientKeys | None]], timeout_seconds: float = 60.0) -> None:
-    """Wait until every broker of the run has all its workers ready again. After N in flight a
-    broker's zygotes are still forking its workers for a while: the next one-at-a-time programs,
-    of that broker or another beside it, read slower for it, and in_turn's order measures one of
-    two brokers right after its own burst once more than the other (on the H200, one tree against
-    itself: p99 11.6 against 5.2 ms, one at a time 256.5 against 274.5/s). A router's URL (no
-    workers of its own in its health) counts as settled."""
-    deadline = time.monotonic() + timeout_seconds
-    for url, keys in brokers:
-        with Client(url, keys=keys) as client:
-            while time.monotonic() < deadline:
-                workers = client.health().get("workers")
-                if not isinstance(workers, dict) or workers.get("idle", 0) >= workers.get("slots", 0):
-                    break
-                time.sleep(0.05)
-
-
-def alternate(
-    args: argparse.Namespace,
-    brokers: dict[str, tuple[str, ClientKeys | None]],
-    pids: dict[str, int] | None = None,
-) -> tuple[list[list[Any]], dict[str, list[float]]]:
+def alternate(args: argparse.Namespace, brokers: dict[str, Opener]) -> tuple[list[list[Any]], dict[str, list[float]]]:
     """``args.rounds`` rounds, each measuring every broker in turn (in the opposite order every other
     round): rows of (name, n, p50, p99, median rate in flight, rate one at a time, the broker's
-    and this client's CPU per program in flight) and the rates of each round. ``pids``: the
-    brokers' processes (their CPU is read from ``/proc``; without, that column is empty)."""
+    and this client's CPU per program in flight) and the rates of each round. Each measurement
+    opens its broker (see :data:`Opener`); without its process, the broker's CPU column is empty."""
     samples: dict[str, list[float]] = {name: [] for name in brokers}
     rates: dict[str, list[float]] = {name: [] for name in brokers}
     cpu: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in brokers}  # broker s, client s, programs
     per_round = max(1, args.requests // args.rounds)
+    pids_known = True
     for name in in_turn(list(brokers), args.rounds):
-        url, key = brokers[name]
-        settle(brokers.values())
-        samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
-        pid = (pids or {}).get(name)
-        broker_before, client_before = process_cpu_seconds(pid) if pid else 0.0, time.process_time()
-        rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
-        cpu[name][0] += (process_cpu_seconds(pid) - broker_before) if pid else 0.0
-        cpu[name][1] += time.process_time() - client_before
-        cpu[name][2] += per_round * 2
-        rates[name].append(rate)
+        with brokers[name]() as (url, key, pid):
+            pids_known = pids_known and pid is not None
+            samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
+            broker_before, client_before = process_cpu_seconds(pid) if pid else 0.0, time.process_time()
+            rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
+            cpu[name][0] += (process_cpu_seconds(pid) - broker_before) if pid else 0.0
+            cpu[name][1] += time.process_time() - client_before
+            cpu[name][2] += per_round * 2
+            rates[name].append(rate)
     rows: list[list[Any]] = []
     for name in brokers:
         stats = percentiles(samples[name])
@@ -449,7 +446,7 @@ def alternate(
                 stats["p99_ms"],
                 float(np.median(rates[name])),
                 one_at_a_time,
-                1000 * broker_s / programs if pids else float("nan"),
+                1000 * broker_s / programs if pids_known else float("nan"),
                 1000 * client_s / programs,
             ]
         )
