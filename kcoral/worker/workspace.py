@@ -131,8 +131,9 @@ IPC_RMID = 0
 CLONE_NEWIPC = 0x08000000
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+# Once, at import: the zygote calls these after every program (a CDLL made per call cost dlopen,
+# its object and each function looked up again, in a process whose pages its workers share).
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 # keyctl(2): the operation that unlinks every key of a keyring, and the keyrings a program shares
@@ -147,14 +148,13 @@ def clear_keyrings() -> None:
     namespace of the slot's own: the host user's keyrings hold other programs' keys."""
     if KEYCTL is None:
         return
-    libc = _libc()
     for keyring in SHARED_KEYRINGS:
-        libc.syscall(KEYCTL, KEYCTL_CLEAR, keyring)  # errors ignored: no such keyring, nothing to clear
+        _libc.syscall(KEYCTL, KEYCTL_CLEAR, keyring)  # errors ignored: no such keyring, nothing to clear
 
 
 def private_ipc_namespace() -> bool:
     """Enter an IPC namespace of our own; whether we could (it needs CAP_SYS_ADMIN)."""
-    return bool(_libc().unshare(CLONE_NEWIPC) == 0)
+    return bool(_libc.unshare(CLONE_NEWIPC) == 0)
 
 
 def _ipc_rows(table: str) -> list[dict[str, str]]:
@@ -170,11 +170,10 @@ def _ipc_rows(table: str) -> list[dict[str, str]]:
 def remove_ipc_objects() -> int:
     """Remove every System V IPC object of this process's IPC namespace; return how many went.
     Only for a namespace of the slot's own: in the host's it would take other programs' too."""
-    libc = _libc()
     removers = {
-        "shm": lambda ident: libc.shmctl(ident, IPC_RMID, None),
-        "sem": lambda ident: libc.semctl(ident, 0, IPC_RMID),
-        "msg": lambda ident: libc.msgctl(ident, IPC_RMID, None),
+        "shm": lambda ident: _libc.shmctl(ident, IPC_RMID, None),
+        "sem": lambda ident: _libc.semctl(ident, 0, IPC_RMID),
+        "msg": lambda ident: _libc.msgctl(ident, IPC_RMID, None),
     }
     removed = 0
     for table, column in SYSV_ID_COLUMNS.items():
