@@ -26,7 +26,7 @@
 # PARTS="remote-honest remote-attacks".
 # PARTS (default: the six above, in that order; also compare-tests, gpu-programs, session-programs,
 # cpu-path, cpu-session, router-hop, federation, broker-profile and gpu-tests, at the end, and with
-# BASE (a tree of an older commit, say a worktree carried beside this one) cpu-against,
+# BASE (a tree of an older commit, say a worktree carried beside this one) cpu-against, cpu-against-warm,
 # cpu-session-against and session-against, this tree against BASE alternated in one run; fork-cost) picks
 # some; tools carried in .devtools/bin (`ip` of iproute2 for federation, `py-spy` for
 # broker-profile) go on PATH; BROKER_FLAGS adds flags to the broker's
@@ -157,7 +157,7 @@ part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${P
 # on the GPU beside them. federation needs `ip` (iproute2), which the H200 host lacks.
 if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path ||
     wanted cpu-session || wanted router-hop || wanted federation || wanted broker-profile ||
-    wanted cpu-against || wanted cpu-session-against || wanted session-against || wanted fork-cost; then
+    wanted cpu-against || wanted cpu-against-warm || wanted cpu-session-against || wanted session-against || wanted fork-cost; then
     stop_broker
 fi
 # Issue 22: the self-compare under the verdict rule of 5dc442d (same in 10 of 10) and the provenance
@@ -194,6 +194,10 @@ part federation "${FEDERATION_S:-120}" "$PY" benchmarks/federation.py --duration
 if [ -n "$BASE" ]; then
     part cpu-against "${CPU_AGAINST_S:-150}" "$PY" benchmarks/overhead.py --against "$BASE" --rounds 4 \
         --requests 400 --in-flight 16 --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-against.json"
+    # The same once each broker has served WARMUP programs (its slots' one-time work done).
+    part cpu-against-warm "${CPU_AGAINST_S:-150}" "$PY" benchmarks/overhead.py --against "$BASE" --rounds 4 \
+        --warmup "${WARMUP:-400}" --requests 400 --in-flight 16 --broker-flags "--device cpu --workers 16" \
+        --json "$OUT/cpu-against-warm.json"
     part cpu-session-against "${CPU_SESSION_AGAINST_S:-90}" "$PY" benchmarks/overhead.py --against "$BASE" \
         --session --rounds 4 --requests 800 --in-flight 16 --broker-flags "--device cpu --workers 16" \
         --json "$OUT/cpu-session-against.json"

@@ -3,7 +3,7 @@
     python benchmarks/overhead.py [--requests 300] [--in-flight 8] [--json out.json] [--plot out.png]
     python benchmarks/overhead.py --curve-cost [--requests 300] [--rounds 3]
     python benchmarks/overhead.py --phases [--session] [--requests 300] [--broker-flags "..."] [--json out.json]
-    python benchmarks/overhead.py --against DIR [--session] [--requests 300] [--rounds 5]
+    python benchmarks/overhead.py --against DIR [--session] [--warmup 200] [--requests 300] [--rounds 5]
     python benchmarks/overhead.py --router [--against DIR] [--wire-only] [--requests 300] [--rounds 5]
 
 Measured in one run: (1) a plain zmq DEALER -> ROUTER echo on loopback, (2) one Client executing a
@@ -31,6 +31,9 @@ source tree (``PYTHONPATH``; this one too) and stops it after, so that one broke
 with the two side by side for the whole run, the one started second read worse one at a time
 (the same tree against itself on the H200: p99 11.2 against 5.3 ms, 252 against 278 programs a
 second), whatever the order of the measurements and the workers' readiness before each.
+``--warmup N``: each broker so started first serves N programs in flight and rests a second, so
+that what its slots do once (the zygotes' collapse of their memory into huge pages) is not inside
+its measurement: a broker measured in its first 300 programs is a young one.
 
 ``--router`` measures the router's hop: one broker that joins a ``kcoral router``, reached directly
 and through the router, alternated round by round in one run (the router's p50 less the direct one's
@@ -80,6 +83,11 @@ THIS_CHECKOUT = Path(__file__).resolve().parent.parent
 # keys to reach it and its process's PID (None: its CPU is not read), a running broker's or a
 # broker started for the measurement and stopped after it.
 Opener = Callable[[], contextlib.AbstractContextManager[tuple[str, ClientKeys | None, int | None]]]
+
+
+# After ``--warmup``'s programs: what a young broker's slots do once (their zygotes collapse their
+# memory into huge pages after a few forks, kcoral.worker.huge_pages) is done before the measurement.
+WARMUP_PAUSE_SECONDS = 1.0
 
 
 def running(url: str, keys: ClientKeys | None = None, pid: int | None = None) -> Opener:
@@ -255,6 +263,13 @@ def main() -> int:
     parser.add_argument(
         "--session", action="store_true", help="with --phases or --against: the programs in one client session"
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --against: N programs in flight on each broker started, and a pause, before it is measured",
+    )
     args = parser.parse_args()
     if args.curve_cost:
         return curve_cost(args)
@@ -426,6 +441,9 @@ def alternate(args: argparse.Namespace, brokers: dict[str, Opener]) -> tuple[lis
     for name in in_turn(list(brokers), args.rounds):
         with brokers[name]() as (url, key, pid):
             pids_known = pids_known and pid is not None
+            if args.warmup > 0:
+                asyncio.run(in_flight(url, args.warmup, args.in_flight, key, args.session))
+                time.sleep(WARMUP_PAUSE_SECONDS)
             samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
             broker_before, client_before = process_cpu_seconds(pid) if pid else 0.0, time.process_time()
             rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
