@@ -82,3 +82,19 @@ def test_kill_with_next_lazy_gives_a_worker_without_a_context(slot: FakeZygote) 
     assert slot.current is not None and not slot.current.eager  # for the program on other GPUs
     assert slot.spare is not None and slot.spare.eager  # and the one after it has a context again
     assert not slot.lazy_next
+
+
+def test_a_spare_that_dies_before_its_turn_is_said_gone(slot: FakeZygote, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The broker asks for a spare with a program only where it knows of none: a spare killed by the
+    # program beside it (or over the memory limit) must be reported, or the slot's next worker is
+    # forked on a program's path.
+    events: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(zygote_module, "emit", lambda event, **fields: events.append((str(event), fields)))
+    slot.announce_next()
+    spare = slot.spare
+    assert spare is not None
+    slot.on_exit(spare)  # its pid is no child of this process: taken for gone
+    assert slot.spare is None
+    assert ("spare_gone", {"worker": spare.identity}) in events
+    slot.command(cmd="fork_spare")
+    assert slot.spare is not None and slot.spare is not spare

@@ -335,7 +335,7 @@ class Broker:
         # Read while the worker starts on the program, not before the PROGRAM goes (NVML: a few
         # calls per GPU), and its successor asked for where the slot may lack one.
         request.conditions_at_start = self.provenance.at_start(request.gpu_ids)
-        self.supervisor.program_started(worker.slot, first=worker.programs == 1)
+        self.supervisor.program_started(worker.slot)
         request.timer = asyncio.get_running_loop().call_later(
             request.options.timeout_seconds, self._on_timeout, request
         )

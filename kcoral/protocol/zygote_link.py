@@ -58,6 +58,9 @@ class ZygoteEvent(StrEnum):
     # --gpu-handover quiet) none of them can run code any more, while its context is torn down.
     GPU_FREE = "gpu_free"
     SPARE_DISCARDED = "spare_discarded"  # worker: a spare changed while it waited; killed unannounced
+    # worker: a spare that exited, or was killed over the memory limit, before it was announced
+    # (killed by the program beside it, say): the broker asks for another with its next program.
+    SPARE_GONE = "spare_gone"
     # worker, pid: a spare was forked ahead (unannounced: given nothing until ``forked`` names it);
     # it runs no program, so its CUDA context on the slot's GPU does no work that counts.
     SPARE = "spare"

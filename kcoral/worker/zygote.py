@@ -292,6 +292,7 @@ class Zygote:
         elif spare is not None and spare.cgroup is cgroup:
             self.discard(spare)  # over the limit before any program: it cannot serve one
             self.spare = None
+            emit(ZygoteEvent.SPARE_GONE, worker=spare.identity)
 
     def announce_next(self) -> None:
         """Make the spare (or, failing that, a new worker) the current one, and tell the broker."""
@@ -394,8 +395,9 @@ class Zygote:
             child.pidfd = None
         close_go(child)
         if child is self.spare:
-            self.spare = None  # killed before it served (by the program beside it, say): unknown to the broker
+            self.spare = None  # killed before it served (by the program beside it, say)
             self.release_cgroup(child)
+            emit(ZygoteEvent.SPARE_GONE, worker=child.identity)  # the broker asks for another
             return
         # Everything below us now but the spare is what the program left (we are the subreaper,
         # and children it made with CLONE_PARENT are ours from the start): kill all of it before
