@@ -25,7 +25,7 @@
 # is left (it needs about 2 minutes). What a budget cut leaves out runs in a second call:
 # PARTS="remote-honest remote-attacks".
 # PARTS (default: the six above, in that order; also compare-tests, gpu-programs, session-programs,
-# cpu-path, cpu-session, router-hop, federation, broker-profile and gpu-tests, at the end, and with
+# cpu-path, cpu-phases, cpu-session, router-hop, federation, broker-profile and gpu-tests, at the end, and with
 # BASE (a tree of an older commit, say a worktree carried beside this one) cpu-against, cpu-against-warm,
 # cpu-session-against and session-against, this tree against BASE alternated in one run; fork-cost) picks
 # some; tools carried in .devtools/bin (`ip` of iproute2 for federation, `py-spy` for
@@ -155,7 +155,7 @@ part remote-attacks "${REMOTE_ATTACKS_S:-150}" env KCORAL_ATTACK_URL="$URL" "${P
 # PARTS="suspect-rate compare-tests session-programs cpu-path cpu-session router-hop federation
 # gpu-tests" in 272 s). The evidence broker goes first, so that its idle workers and spares are not
 # on the GPU beside them. federation needs `ip` (iproute2), which the H200 host lacks.
-if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path ||
+if wanted compare-tests || wanted gpu-programs || wanted gpu-tests || wanted session-programs || wanted cpu-path || wanted cpu-phases ||
     wanted cpu-session || wanted router-hop || wanted federation || wanted broker-profile ||
     wanted cpu-against || wanted cpu-against-warm || wanted cpu-session-against || wanted session-against || wanted fork-cost; then
     stop_broker
@@ -177,6 +177,9 @@ part session-programs "${SESSION_S:-120}" "$PY" benchmarks/gpu_programs.py --seq
     --in-flight 8 --config defaults . "" --session defaults --floor-rounds 1 --json "$OUT/session-programs.json"
 part cpu-path "${CPU_PATH_S:-90}" "$PY" benchmarks/overhead.py --requests 400 --in-flight 16 \
     --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-path.json"
+# Where a warmed broker's fresh constant program goes, phase by phase, one at a time.
+part cpu-phases "${CPU_PHASES_S:-90}" "$PY" benchmarks/overhead.py --phases --warmup "${WARMUP:-400}" --in-flight 16 \
+    --requests 800 --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-phases.json"
 part cpu-session "${CPU_SESSION_S:-60}" "$PY" benchmarks/overhead.py --phases --session --requests 300 \
     --broker-flags "--device cpu --workers 16" --json "$OUT/cpu-session.json"
 # With BASE, the hop of this tree and of BASE's, alternated in one run.

@@ -31,9 +31,9 @@ source tree (``PYTHONPATH``; this one too) and stops it after, so that one broke
 with the two side by side for the whole run, the one started second read worse one at a time
 (the same tree against itself on the H200: p99 11.2 against 5.3 ms, 252 against 278 programs a
 second), whatever the order of the measurements and the workers' readiness before each.
-``--warmup N``: each broker so started first serves N programs in flight and rests a second, so
-that what its slots do once (the zygotes' collapse of their memory into huge pages) is not inside
-its measurement: a broker measured in its first 300 programs is a young one.
+``--warmup N`` (also with ``--phases``): each broker so started first serves N programs in flight
+and rests a second, so that what its slots do once (the zygotes' collapse of their memory into huge
+pages) is not inside its measurement: a broker measured in its first 300 programs is a young one.
 
 ``--router`` measures the router's hop: one broker that joins a ``kcoral router``, reached directly
 and through the router, alternated round by round in one run (the router's p50 less the direct one's
@@ -104,6 +104,13 @@ def started(flags: Sequence[str], checkout: Path) -> Opener:
             yield url, None, process.pid
 
     return opened
+
+
+def warm_up(url: str, args: argparse.Namespace, keys: ClientKeys | None = None) -> None:
+    """``--warmup``: its programs in flight on the broker at ``url``, then a pause."""
+    if args.warmup > 0:
+        asyncio.run(in_flight(url, args.warmup, args.in_flight, keys, args.session))
+        time.sleep(WARMUP_PAUSE_SECONDS)
 
 
 def zmq_round_trips(count: int) -> list[float]:
@@ -268,7 +275,7 @@ def main() -> int:
         type=int,
         default=0,
         metavar="N",
-        help="with --against: N programs in flight on each broker started, and a pause, before it is measured",
+        help="with --against or --phases: N programs in flight on each broker started, and a pause, first",
     )
     args = parser.parse_args()
     if args.curve_cost:
@@ -279,6 +286,7 @@ def main() -> int:
         return against(args)
     if args.phases:
         with broker(*args.broker_flags.split()) as (url, _):
+            warm_up(url, args)
             samples = phases(url, args.requests, args.session)
         print_phases(samples, args.broker_flags + (" (one session)" if args.session else ""))
         save_json(args.json, {"phases": samples, "machine": machine(), "broker_flags": args.broker_flags})
@@ -441,9 +449,7 @@ def alternate(args: argparse.Namespace, brokers: dict[str, Opener]) -> tuple[lis
     for name in in_turn(list(brokers), args.rounds):
         with brokers[name]() as (url, key, pid):
             pids_known = pids_known and pid is not None
-            if args.warmup > 0:
-                asyncio.run(in_flight(url, args.warmup, args.in_flight, key, args.session))
-                time.sleep(WARMUP_PAUSE_SECONDS)
+            warm_up(url, args, key)
             samples[name] += sequential(url, per_round, constant_program, f"constant, {name}", key, args.session)
             broker_before, client_before = process_cpu_seconds(pid) if pid else 0.0, time.process_time()
             rate, _lat = asyncio.run(in_flight(url, per_round * 2, args.in_flight, key, args.session))
