@@ -19,15 +19,17 @@ program it made itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kcoral import protocol
 from kcoral.worker import processes
+from kcoral.worker.capture import OutputCapture
 from kcoral.worker.interpreter import Interpreter
 from kcoral.worker.lease import LeaseChannel
 from kcoral.worker.result_bounds import bounded_result
@@ -69,11 +71,21 @@ def rehearse(claims: Callable[[], dict[str, Any]]) -> bool:
         result["provenance"] = claims()
         bounded_result(result, interpreter.frames)
         threading.enumerate()
+        # The paths a program's run is given (computed only: nothing is made) and a generator's
+        # context manager, as the output follower's is entered and left around every program.
+        OutputCapture(Path(os.devnull) / f"run-{REHEARSAL_ID}" / "output", protocol.DEFAULT_OUTPUT_LIMIT_BYTES)
+        with _nothing():
+            pass
         _same_environment()
         processes.descendants(os.getpid(), processes.WALK_MOST)
     except Exception:  # a rehearsal that fails costs only its speed-up
         return False
     return command == protocol.PROGRAM and error is None and interpreter.results.get("v") is not None
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _same_environment() -> None:
