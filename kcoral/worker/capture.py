@@ -50,7 +50,8 @@ class OutputCapture:
         self._paths = (directory / "stdout", directory / "stderr")
 
     def __enter__(self) -> OutputCapture:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.is_dir():  # a worker's run directory has it made: no mkdir that fails
+            self.directory.mkdir(parents=True, exist_ok=True)
         _flush_python_streams()
         for fd, path in zip((1, 2), self._paths):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)

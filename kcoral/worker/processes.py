@@ -141,11 +141,23 @@ def children(pid: int) -> list[int]:
         return found
     for tid in threads:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as handle:
-                found.extend(int(p) for p in handle.read().split())
+            fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
         except OSError:
             continue
+        try:  # no file object: this runs on every program's way to its result
+            found.extend(int(p) for p in _read_all(fd).split())
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return found
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 _HAS_CHILDREN_LISTS = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
