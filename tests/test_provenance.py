@@ -89,16 +89,15 @@ def test_the_gpus_are_named_by_uuid_name_and_bus_id() -> None:
     gpu = GpuInfo(0, "NVIDIA H200", "9.0", 143771, "00000000:19:00.0", "GPU-3f1d")
     target = TargetInfo("gpu", (gpu,), extra={"torch": "2.11.0", "cupti-python": "13.0.1"})
     provenance = Provenance(target, {"kcoral": "0.1.0"}, "bubblewrap", "host", "abc", conditions=StillGpus())  # type: ignore[arg-type]
-    made = provenance.for_result(
+    started = provenance.at_start(
         request_id="r1",
         program={"instructions": []},
         digests=[],
         options={"timeout_seconds": 60},
         gpu_ids=[0],
         node_id="n1",
-        at_start=StillGpus().read([0]),
-        claims={"seeds": {"compare": 5}},
     )
+    made = provenance.for_result(started, [0], {"seeds": {"compare": 5}})
     assert made["gpus"] == [{"index": 0, "uuid": "GPU-3f1d", "name": "NVIDIA H200", "pci_bus_id": "00000000:19:00.0"}]
     assert made["versions"]["driver"] == "580.95.05" and made["versions"]["cuda_driver"] == "13.0"
     assert made["versions"]["torch"] == "2.11.0" and made["versions"]["cupti-python"] == "13.0.1"

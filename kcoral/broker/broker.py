@@ -332,9 +332,17 @@ class Broker:
             request.state = RequestState.QUEUED
             self.queue.push_front(request)
             return
-        # Read while the worker starts on the program, not before the PROGRAM goes (NVML: a few
-        # calls per GPU), and its successor asked for where the slot may lack one.
-        request.conditions_at_start = self.provenance.at_start(request.gpu_ids)
+        # Made while the worker starts on the program, neither before the PROGRAM goes nor between
+        # its RESULT and its FINAL: the provenance known now (the GPUs' conditions, NVML's few
+        # calls per GPU; the program's fingerprint); and its successor asked for where it lacks one.
+        request.provenance = self.provenance.at_start(
+            request_id=request.id,
+            program=request.program,
+            digests=request.digests,
+            options=request.options.to_wire(),
+            gpu_ids=request.gpu_ids,
+            node_id=self.node_id,
+        )
         self.supervisor.program_started(worker.slot)
         request.timer = asyncio.get_running_loop().call_later(
             request.options.timeout_seconds, self._on_timeout, request

@@ -67,7 +67,7 @@ class Request:
     bytes_received: int = 0
     # Blobs arriving in pieces (BLOBS with ``offset``), by digest, until their last piece.
     pieces: dict[str, BlobAssembly] = field(default_factory=dict)
-    conditions_at_start: dict[str, Any] | None = None  # the GPUs' at the start, for the provenance
+    provenance: dict[str, Any] | None = None  # its provenance as known at its start (kcoral.broker.provenance)
     # Who the program belongs to for fair share: the client's CURVE key, or its connection
     # (kcoral.service.auth.peer_identity); ``client`` is the connection its answers go to.
     owner: bytes = b""

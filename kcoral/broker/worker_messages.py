@@ -307,16 +307,17 @@ class WorkerMessages:
         """The result's ``provenance`` (kcoral.broker.provenance); ``claims``: the worker's own."""
         if self.provenance is None:
             return {}
-        return self.provenance.for_result(
-            request_id=request.id,
-            program=request.program,
-            digests=request.digests,
-            options=request.options.to_wire(),
-            gpu_ids=request.gpu_ids,
-            node_id=self.port.node_id,
-            at_start=request.conditions_at_start,
-            claims=claims,
-        )
+        started = request.provenance
+        if started is None:  # made as the program was sent (Broker.dispatch): not expected to miss
+            started = self.provenance.at_start(
+                request_id=request.id,
+                program=request.program,
+                digests=request.digests,
+                options=request.options.to_wire(),
+                gpu_ids=request.gpu_ids,
+                node_id=self.port.node_id,
+            )
+        return self.provenance.for_result(started, request.gpu_ids, claims)
 
     def _session_goes_on(self, request: Request, worker: Worker, body: dict[str, Any], info: dict[str, Any]) -> bool:
         """Whether ``worker`` stays its client's session's after this result (kcoral.broker.sessions):
