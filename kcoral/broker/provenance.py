@@ -211,19 +211,18 @@ class Provenance:
             "device": self.target.device,
             "fake_gpus": self.target.fake,
             "gpus": gpus,
-            "gpu_conditions": {"start": self.conditions.read(gpu_ids), "end": None},
+            "gpu_conditions": {"start": self.conditions.read(gpu_ids)},
             "program": program_digests(program, digests),
             "options": dict(options),
-            "program_claims": program_claims(None),
         }
 
     def for_result(self, started: Mapping[str, Any], gpu_ids: Sequence[int], claims: Any) -> dict[str, Any]:
         """The ``provenance`` map of one program's result: what :meth:`at_start` made, with the
         GPUs' conditions now and the worker's ``claims``."""
         assert self.conditions is not None
-        start = started.get("gpu_conditions") or {}
+        start = (started.get("gpu_conditions") or {}).get("start")
         return {
             **started,
-            "gpu_conditions": {"start": start.get("start"), "end": self.conditions.read(gpu_ids)},
+            "gpu_conditions": {"start": start, "end": self.conditions.read(gpu_ids)},
             "program_claims": program_claims(claims),
         }

@@ -307,17 +307,9 @@ class WorkerMessages:
         """The result's ``provenance`` (kcoral.broker.provenance); ``claims``: the worker's own."""
         if self.provenance is None:
             return {}
-        started = request.provenance
-        if started is None:  # made as the program was sent (Broker.dispatch): not expected to miss
-            started = self.provenance.at_start(
-                request_id=request.id,
-                program=request.program,
-                digests=request.digests,
-                options=request.options.to_wire(),
-                gpu_ids=request.gpu_ids,
-                node_id=self.port.node_id,
-            )
-        return self.provenance.for_result(started, request.gpu_ids, claims)
+        # Made as its PROGRAM was sent (Broker._start, the one place a request gets a worker), so
+        # before any RESULT of it can be read.
+        return self.provenance.for_result(request.provenance or {}, request.gpu_ids, claims)
 
     def _session_goes_on(self, request: Request, worker: Worker, body: dict[str, Any], info: dict[str, Any]) -> bool:
         """Whether ``worker`` stays its client's session's after this result (kcoral.broker.sessions):
