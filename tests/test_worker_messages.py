@@ -281,3 +281,27 @@ def test_a_grant_waits_for_the_next_spare_of_a_slot_whose_worker_just_exited(tmp
         assert time.monotonic() - started < 0.1
 
     run(main)
+
+
+def test_a_spare_is_asked_for_with_a_program_only_once_the_zygote_said_it_was_gone(tmp_path: Path) -> None:
+    """The zygote forks a spare ahead as it announces each worker: the broker sends ``fork_spare``
+    with a program only after ``spare_gone`` for the spare it knows, and no more once the next is
+    named (a stale ``spare_gone`` of another worker changes nothing)."""
+    spec = SlotSpec(0, None, tmp_path / "0", ("true",))
+    supervisor = Supervisor([spec], on_exit=lambda exit: None)
+    state = supervisor.states[0] = SlotState(spec, state=SlotPhase.RUNNING)
+    sent: list[str] = []
+    supervisor._command = lambda slot, command, worker=None, **fields: sent.append(str(command))  # type: ignore[method-assign]
+    state.worker, state.spare, state.spare_pid = WorkerId(b"w1"), WorkerId(b"w2"), 20
+    supervisor.program_started(0)
+    assert sent == []
+    supervisor._handle_event(state, {"event": "spare_gone", "worker": "w9"})  # not the one it knows
+    supervisor.program_started(0)
+    assert sent == [] and state.spare == WorkerId(b"w2")
+    supervisor._handle_event(state, {"event": "spare_gone", "worker": "w2"})
+    assert state.spare is None and state.spare_pid is None
+    supervisor.program_started(0)
+    assert sent == ["fork_spare"]
+    supervisor._handle_event(state, {"event": "spare", "worker": "w3", "pid": 21})
+    supervisor.program_started(0)
+    assert sent == ["fork_spare"] and state.spare == WorkerId(b"w3")
