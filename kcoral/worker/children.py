@@ -1,7 +1,8 @@
 """The zygote's children: how a forked child becomes a worker, and what the zygote keeps of each.
 
 :func:`preload_for_workers` runs in the zygote before its first fork (what every worker would import,
-imported once); :func:`become_worker` runs in the child right after the fork: it closes every descriptor it
+imported once, its objects made immortal where the interpreter allows: :mod:`kcoral.worker.immortal`);
+:func:`become_worker` runs in the child right after the fork: it closes every descriptor it
 inherited but the read end of its go pipe, takes a session of its own, dies with the zygote,
 resets signals, confines nothing yet (that comes with the program) and sets its limits and seeds,
 then runs the worker loop. The go pipe is how the zygote announces it (:func:`let_go`): a spare
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from kcoral.protocol.zygote_link import ZygoteSettings
 from kcoral.timing.trust import arm_in_zygote
-from kcoral.worker import confinement, limits, processes
+from kcoral.worker import confinement, immortal, limits, processes
 from kcoral.worker.memory_cgroup import WorkerCgroup
 from kcoral.worker.state import reseed_generators
 
@@ -64,8 +65,11 @@ def preload_for_workers(preload: tuple[str, ...]) -> None:
             continue
     arm_in_zygote()  # once, for every worker (see kcoral.timing.trust.arm_in_zygote)
     # Move everything imported so far out of the collector's sight: a worker's garbage
-    # collections then leave these pages alone, and they stay shared with the zygote.
+    # collections then leave these pages alone, and they stay shared with the zygote. Made
+    # immortal first (where the interpreter has immortal objects), a worker's references to
+    # them no longer write to those pages either (kcoral.worker.immortal).
     gc.collect()
+    immortal.immortalize()
     gc.freeze()
 
 
