@@ -1,16 +1,20 @@
 """Where a busy broker's CPU goes: constant programs with N in flight, the broker sampled by py-spy.
 
     python benchmarks/broker_profile.py [--broker-flags "--device cpu --workers 16"] [--in-flight 16]
-        [--seconds 10] [--session] [--raw out.txt] [--top 25]
+        [--seconds 10] [--session] [--raw out.txt] [--top 25] [--checkout DIR]
 
 One ``AsyncClient`` keeps ``--in-flight`` constant programs in flight for ``--seconds``; meanwhile
 ``py-spy record --format raw`` samples the broker's Python thread (``py-spy`` on PATH; without it
 only the CPU figures are printed). Printed: programs per second, the broker's CPU per program
 (all its threads, from ``/proc``, so zmq's I/O threads too), this client's and the whole machine's
-(every process: the zygotes forking and reaping the workers, the workers), and the functions
-the broker's thread was in when busy (its own time, then with what it called), idle samples (the
-event loop waiting) left out. The throughput goal of the CPU path (1,000 programs a second with
-16 workers) needs a broker that spends under a millisecond of CPU on each program.
+(every process: the zygotes forking and reaping the workers, the workers), the zygotes' own CPU
+and minor page faults per program and those of the workers they reaped (from ``/proc``: a fresh
+worker's faults are mostly pages it shares with its zygote and copies as it writes to them, see
+``kcoral.worker.immortal``), and the functions the broker's thread was in when busy (its own
+time, then with what it called), idle samples (the event loop waiting) left out. The throughput
+goal of the CPU path (1,000 programs a second with 16 workers) needs a broker that spends under a
+millisecond of CPU on each program. ``--checkout DIR``: the broker of the source tree at DIR (a
+worktree of an older commit, say) instead of this one's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, NamedTuple
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -82,7 +89,42 @@ def read_samples(raw: Path) -> tuple[Counter[str], Counter[str], int]:
     return own, within, total
 
 
-async def measure(args: argparse.Namespace, url: str, pid: int, raw: Path) -> tuple[int, float, float, float]:
+class SlotCounters(NamedTuple):
+    """The zygotes' own CPU seconds and minor faults, and those of the workers they reaped."""
+
+    zygote_cpu: float
+    zygote_faults: int
+    worker_cpu: float
+    worker_faults: int
+
+    def __sub__(self, other: tuple[Any, ...]) -> SlotCounters:
+        return SlotCounters(*(mine - theirs for mine, theirs in zip(self, other, strict=True)))
+
+
+def zygotes(broker_pid: int) -> list[psutil.Process]:
+    """The broker's zygotes: its descendants named so whose parent is not one (a worker keeps the
+    name until it renames itself)."""
+    named = [p for p in psutil.Process(broker_pid).children(recursive=True) if p.name() == "kcoral-zygote"]
+    pids = {p.pid for p in named}
+    return [p for p in named if p.ppid() not in pids]
+
+
+def slot_counters(processes: list[psutil.Process]) -> SlotCounters:
+    """Summed over ``processes`` (fields 10 to 17 of ``/proc/PID/stat``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: list[float] = [0.0, 0.0, 0.0, 0.0]
+    for process in processes:
+        with open(f"/proc/{process.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        minflt, cminflt, utime, stime, cutime, cstime = (int(fields[i]) for i in (7, 8, 11, 12, 13, 14))
+        for i, value in enumerate(((utime + stime) / ticks, minflt, (cutime + cstime) / ticks, cminflt)):
+            totals[i] += value
+    return SlotCounters(totals[0], int(totals[1]), totals[2], int(totals[3]))
+
+
+async def measure(
+    args: argparse.Namespace, url: str, pid: int, raw: Path
+) -> tuple[int, float, float, float, SlotCounters]:
     started = asyncio.Event()
     load = asyncio.create_task(keep_busy(url, args.in_flight, args.seconds, args.session, started))
     await started.wait()
@@ -92,13 +134,16 @@ async def measure(args: argparse.Namespace, url: str, pid: int, raw: Path) -> tu
         command = [spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate", "1000"]
         command += ["--format", "raw", "--nonblocking", "--output", str(raw)]
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slots = zygotes(pid)
+    slots_before = slot_counters(slots)
     broker_before, client_before, busy_before = process_cpu_seconds(pid), time.process_time(), machine_busy_seconds()
     done = await load
+    slots_used = slot_counters(slots) - slots_before
     broker_cpu, client_cpu = process_cpu_seconds(pid) - broker_before, time.process_time() - client_before
     machine_cpu = machine_busy_seconds() - busy_before
     if recorder is not None:
         recorder.wait(timeout=args.seconds + 30)
-    return done, broker_cpu, client_cpu, machine_cpu
+    return done, broker_cpu, client_cpu, machine_cpu, slots_used
 
 
 def main() -> int:
@@ -109,16 +154,24 @@ def main() -> int:
     parser.add_argument("--session", action="store_true", help="every program in the client's session")
     parser.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw stacks here")
     parser.add_argument("--top", type=int, default=25, help="functions listed in each table")
+    parser.add_argument("--checkout", type=Path, default=None, help="run the broker of the source tree at DIR")
     args = parser.parse_args()
     raw = args.raw or Path(tempfile.mkdtemp(prefix="kcoral-profile-")) / "broker.txt"
-    with broker(*args.broker_flags.split()) as (url, process):
-        done, broker_cpu, client_cpu, machine_cpu = asyncio.run(measure(args, url, process.pid, raw))
+    with broker(*args.broker_flags.split(), checkout=args.checkout) as (url, process):
+        done, broker_cpu, client_cpu, machine_cpu, slots = asyncio.run(measure(args, url, process.pid, raw))
     title = f"{machine()}, broker: {args.broker_flags}{' (one session)' if args.session else ''}"
+    if args.checkout is not None:
+        title += f", of {args.checkout}"
     print(f"{done / args.seconds:.1f} programs/s with {args.in_flight} in flight ({title})")
     print(
         f"CPU per program: broker {1000 * broker_cpu / done:.3f} ms, client {1000 * client_cpu / done:.3f} ms, "
         f"the whole machine {1000 * machine_cpu / done:.3f} ms (py-spy's samples included; "
         f"{machine_cpu / args.seconds:.1f} of {os.cpu_count()} cores busy)"
+    )
+    print(
+        f"Per program: the zygotes {1000 * slots.zygote_cpu / done:.3f} ms of CPU and {slots.zygote_faults / done:.0f} "
+        f"minor faults, the workers they reaped {1000 * slots.worker_cpu / done:.3f} ms and "
+        f"{slots.worker_faults / done:.0f} (clock ticks of {1000 / os.sysconf('SC_CLK_TCK'):.0f} ms)"
     )
     if not raw.exists():
         print("no samples (py-spy not on PATH, or it could not attach)")
