@@ -188,9 +188,9 @@ def test_every_program_gets_a_fresh_process(limited: RunningBroker) -> None:
         def main():
             global calls
             calls += 1
-            import random, torch
+            import random, numpy, torch
             os.environ["KCORAL_LEAK_TEST"] = "set by an earlier program"
-            return [os.getpid(), calls, random.random(), float(torch.rand(1))]
+            return [os.getpid(), calls, random.random(), float(torch.rand(1)), float(numpy.random.random())]
     """
     seen = """
         def main():
@@ -200,13 +200,13 @@ def test_every_program_gets_a_fresh_process(limited: RunningBroker) -> None:
     leak = run(limited.url, seen)
     second = run(limited.url, counter)
     assert first.completed and second.completed and leak.completed
-    (pid1, calls1, py1, torch1), (pid2, calls2, py2, torch2) = first.results["value"], second.results["value"]
+    (pid1, calls1, py1, torch1, np1), (pid2, calls2, py2, torch2, np2) = first.results["value"], second.results["value"]
     seen_pids.update((pid1, pid2))
     assert pid1 != pid2
     assert calls1 == calls2 == 1  # the uploaded module's globals start over
     assert leak.results["value"] is None  # the environment variable did not reach the next program
     # Forked workers do not share their zygote's random generator states.
-    assert py1 != py2 and torch1 != torch2
+    assert py1 != py2 and torch1 != torch2 and np1 != np2
 
 
 # --- a reused worker starts each program from the same state ----------------------------------------
