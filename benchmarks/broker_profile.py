@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -104,9 +105,13 @@ class SlotCounters(NamedTuple):
 def zygotes(broker_pid: int) -> list[psutil.Process]:
     """The broker's zygotes: its descendants named so whose parent is not one (a worker keeps the
     name until it renames itself)."""
-    named = [p for p in psutil.Process(broker_pid).children(recursive=True) if p.name() == "kcoral-zygote"]
-    pids = {p.pid for p in named}
-    return [p for p in named if p.ppid() not in pids]
+    named = []
+    for process in psutil.Process(broker_pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # a worker that exited meanwhile
+            if process.name() == "kcoral-zygote":
+                named.append((process, process.ppid()))
+    pids = {process.pid for process, _ in named}
+    return [process for process, parent in named if parent not in pids]
 
 
 def slot_counters(processes: list[psutil.Process]) -> SlotCounters:
