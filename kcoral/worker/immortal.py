@@ -93,7 +93,7 @@ def immortalize() -> Marked:
         if address in seen:
             continue
         seen.add(address)
-        field = ctypes.c_ssize_t.from_address(address)
+        field = _count_field(obj)
         if (field.value & LOW_32_BITS) >= IMMORTAL_FROM:
             already += 1
         else:
