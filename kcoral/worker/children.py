@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kcoral.protocol.zygote_link import ZygoteSettings
 from kcoral.timing.trust import arm_in_zygote
-from kcoral.worker import confinement, immortal, limits, processes
+from kcoral.worker import confinement, immortal, limits, memory_cgroup, processes
 from kcoral.worker.memory_cgroup import WorkerCgroup
 from kcoral.worker.rehearsal import rehearse
 from kcoral.worker.state import reseed_generators
@@ -144,20 +144,21 @@ def become_worker(
     go: int,
     *,
     eager_cuda: bool = False,
-    cgroup: WorkerCgroup | None = None,
+    cgroup_directory: int | None = None,
 ) -> None:
     """In the forked child: set the process up and run the worker loop; never returns.
 
     ``go`` is the read end of the pipe on which the zygote announces it (see Zygote); the worker
     closes it before any program runs. ``eager_cuda``: make the CUDA context of the slot's GPU at
     once, while it waits for its turn, so that its program does not wait for the context.
-    ``cgroup``: the memory cgroup it joins first of all (the zygote checks before its go)."""
+    ``cgroup_directory``: the directory descriptor of the memory cgroup it joins first of all
+    (the zygote checks before its go)."""
     code = EXIT_WORKER_CRASHED
     try:
         processes.set_process_name("kcoral-worker")  # first: the join below can take milliseconds
-        if cgroup is not None:
+        if cgroup_directory is not None:
             with contextlib.suppress(OSError):  # the zygote's check joins it, or says it has none
-                cgroup.join(os.getpid())
+                memory_cgroup.join_directory(cgroup_directory, os.getpid())
         close_inherited_descriptors(keep=go)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # not the zygote's command pipe

@@ -94,6 +94,11 @@ def _write(directory: int, name: str, value: str) -> None:
         os.close(fd)
 
 
+def join_directory(directory: int, pid: int) -> None:
+    """Move ``pid`` into the cgroup of the open ``directory`` (a worker joins its own this way)."""
+    _write(directory, PROCS_FILE, str(pid))
+
+
 def _read(directory: int, name: str) -> str:
     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=directory)
     try:
@@ -208,7 +213,7 @@ class WorkerCgroup:
             raise
 
     def join(self, pid: int) -> None:
-        _write(self.fd, PROCS_FILE, str(pid))
+        join_directory(self.fd, pid)
 
     def holds(self, pid: int) -> bool:
         """Whether ``pid`` is in this cgroup now."""
@@ -384,6 +389,7 @@ __all__ = [
     "SlotCgroups",
     "WorkerCgroup",
     "WorkerCgroupPool",
+    "join_directory",
     "memory_v1_directory",
     "remove_dead_brokers",
     "remove_leftovers",

@@ -382,12 +382,33 @@ class ProgressBoard:
     A worker also reports its progress to the broker over zmq, but a worker that dies at once
     (``os._exit``, a signal) takes its unsent messages with it; this anonymous shared mapping,
     made by the zygote before it forks, survives the worker, so the zygote can say in its
-    ``exited`` event which instruction the worker was executing.
+    ``exited`` event which instruction the worker was executing. It is a memory file's, so that
+    the zygote can hand it to the forker (:mod:`kcoral.worker.forker`) by its ``descriptor``,
+    which it closes (:meth:`let_go`) once the worker is forked; a worker of the forker maps it
+    again (:meth:`attach`).
     """
 
-    def __init__(self) -> None:
-        self._map = mmap.mmap(-1, 8)  # MAP_SHARED | MAP_ANONYMOUS: the forked worker writes here
-        self.note(None)
+    def __init__(self, descriptor: int | None = None) -> None:
+        if descriptor is None:
+            descriptor = os.memfd_create("kcoral-board", os.MFD_CLOEXEC)
+            os.ftruncate(descriptor, 8)
+            self.descriptor: int | None = descriptor
+            self._map = mmap.mmap(descriptor, 8)  # MAP_SHARED: the worker writes here
+            self.note(None)
+        else:
+            self.descriptor = None
+            self._map = mmap.mmap(descriptor, 8)
+
+    @classmethod
+    def attach(cls, descriptor: int) -> ProgressBoard:
+        """In a worker: the board the zygote made, by the descriptor it was handed."""
+        return cls(descriptor)
+
+    def let_go(self) -> None:
+        """Close the memory file's descriptor (the mapping stays)."""
+        if self.descriptor is not None:
+            os.close(self.descriptor)
+            self.descriptor = None
 
     def note(self, index: int | None) -> None:
         self._map[:8] = struct.pack("<q", -1 if index is None else index)

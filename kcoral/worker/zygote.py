@@ -1,7 +1,9 @@
 """The zygote: imports the heavy modules once, then forks one fresh worker at a time.
 
 ``import torch`` costs seconds on a GPU host; ``os.fork()`` of a process that already imported it
-costs milliseconds. The zygote never initialises CUDA, opens no zmq context and starts no threads,
+costs milliseconds. Once its memory is in huge pages the zygote has its forker make the workers
+(:mod:`kcoral.worker.forker`): still its own children, made by a process that writes nothing
+between two forks. The zygote never initialises CUDA, opens no zmq context and starts no threads,
 so each forked worker begins clean and makes its own (see :mod:`kcoral.worker.children`).
 
 It talks to the broker's supervisor through its standard streams, one JSON object a line:
@@ -69,6 +71,7 @@ from kcoral.worker.children import (
     let_go,
     preload_for_workers,
 )
+from kcoral.worker.forker import Forker, ForkRequest, ParentClone
 from kcoral.worker.memory_cgroup import WorkerCgroup, WorkerCgroupPool
 from kcoral.worker.run_directory import READY_NAME, RunDirectory
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
@@ -87,7 +90,8 @@ MAX_FREE_CGROUPS = 2  # exited workers' memory cgroups kept for the next forks o
 # The zygote's memory goes into huge pages (kcoral.worker.huge_pages) once it has forked this many
 # workers, a piece at a time when no event waits: collapsing took 60 to 400 ms of the 2-core VM's
 # CPU, which each fork and exit then saves about 5 ms of, and a slot that serves a handful of
-# programs (a test's) never gains it back.
+# programs (a test's) never gains it back. Then it starts its forker (kcoral.worker.forker),
+# which keeps those pages whole.
 HUGE_PAGES_AFTER_FORKS = 8
 
 
@@ -132,7 +136,9 @@ class Zygote:
         self.crashes = 0
         self.next_alive = 0.0
         self.expected = SpareState.of_this_process(settings.limits)
+        self.pid = os.getpid()
         self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
+        self.forker: Forker | None = None  # forks the workers where there is one (kcoral.worker.forker)
         # The slot's directory in the broker's memory cgroup: each worker gets a cgroup of its own
         # in it, held to the memory limit by the kernel (kcoral.worker.memory_cgroup).
         memory_limit = settings.limits.get("memory_bytes") or 0
@@ -181,6 +187,8 @@ class Zygote:
         self.clear_slot(ready=False)
         if self.cgroups is not None:
             self.cgroups.remove_all()
+        if self.forker is not None:
+            self.forker.close()
         return 0
 
     def clear_slot(self, *, ready: bool = True) -> None:
@@ -218,8 +226,12 @@ class Zygote:
         return [c for c in (self.current, self.spare) if c is not None]
 
     def spared(self) -> set[int]:
-        """The spare's pid: the one process below us that is not the running program's."""
-        return {self.spare.pid} if self.spare is not None else set()
+        """The spare's pid and the forker's: the processes below us that are not the running
+        program's."""
+        pids = {self.spare.pid} if self.spare is not None else set()
+        if self.forker is not None:
+            pids.add(self.forker.pid)
+        return pids
 
     def fork_worker(self, eager: bool | None = None) -> Child:
         """Fork a worker, eager (its CUDA context made at once) as the slot's setting and its last
@@ -235,12 +247,24 @@ class Zygote:
         zygote_pid = os.getpid()
         go_read, go_write = os.pipe()
         cgroup = self.cgroups.take(identity) if self.cgroups is not None else None
-        pid = os.fork()
-        if pid == 0:
-            # It joins its cgroup itself, at once: migrating a process took a tenth of a busy
-            # zygote's time on the 2-core VM (cgroup v1), which then held up the slot's next worker.
-            become_worker(self.settings, identity, zygote_pid, board, go_read, eager_cuda=eager, cgroup=cgroup)
+        # It joins its cgroup itself, at once: migrating a process took a tenth of a busy
+        # zygote's time on the 2-core VM (cgroup v1), which then held up the slot's next worker.
+        cgroup_directory = cgroup.fd if cgroup is not None else None
+        pid = self._fork_by_forker(identity, eager, board, go_read, cgroup_directory)
+        if pid is None:
+            pid = os.fork()
+            if pid == 0:
+                become_worker(
+                    self.settings,
+                    identity,
+                    zygote_pid,
+                    board,
+                    go_read,
+                    eager_cuda=eager,
+                    cgroup_directory=cgroup_directory,
+                )
         os.close(go_read)
+        board.let_go()
         try:
             pidfd: int | None = os.pidfd_open(pid)
         except (AttributeError, OSError):
@@ -255,6 +279,49 @@ class Zygote:
         if cgroup is not None:
             self.selector.register(cgroup.events, selectors.EVENT_READ, cgroup)
         return child
+
+    def start_forker(self) -> None:
+        """Once our memory is in huge pages: the forker, which forks the workers from then on and
+        keeps those pages whole (:mod:`kcoral.worker.forker`)."""
+        if self.forker is None and not self.stopping and ParentClone.of_this_process() is not None:
+            self.forker = Forker.start(self._start_forked_worker)
+
+    def _fork_by_forker(
+        self, identity: str, eager: bool, board: processes.ProgressBoard, go: int, cgroup_directory: int | None
+    ) -> int | None:
+        """The worker's pid, forked by the forker; None where there is none (any more)."""
+        if self.forker is None or board.descriptor is None:
+            return None
+        named = {"go": go, "board": board.descriptor}
+        if cgroup_directory is not None:
+            named["cgroup"] = cgroup_directory
+        pid = self.forker.fork(ForkRequest(identity, eager, tuple(named)), list(named.values()))
+        if pid is None:
+            self.retire_forker("it did not answer")  # gone, or stopped: a program can signal it
+        return pid
+
+    def retire_forker(self, why: str) -> None:
+        """End the forker: we fork ourselves until a new one is started, after our memory is
+        collapsed again."""
+        if self.forker is None:
+            return
+        print(f"kcoral-zygote: forker {self.forker.pid} ended ({why}); forking here", file=sys.stderr)
+        self.forker.close()
+        self.forker = None
+        self.collapse = huge_pages.Collapse()
+
+    def _start_forked_worker(self, request: ForkRequest, descriptors: dict[str, int]) -> None:
+        """In a worker the forker made (the zygote's child): become the worker; never returns."""
+        board = processes.ProgressBoard.attach(descriptors["board"])
+        become_worker(
+            self.settings,
+            request.identity,
+            self.pid,
+            board,
+            descriptors["go"],
+            eager_cuda=request.eager_cuda,
+            cgroup_directory=descriptors.get("cgroup"),
+        )
 
     def confirm_cgroup(self, child: Child) -> None:
         """See that a worker about to get its go is in its memory cgroup, before it has a program
@@ -305,6 +372,9 @@ class Zygote:
             emit(ZygoteEvent.SPARE_DISCARDED, worker=spare.identity)
             self.discard(spare)
             spare = None
+            # The program beside it may have changed the forker it came from (the same user can
+            # change another's priority, CPUs or limits): the next ones come from us.
+            self.retire_forker("a worker it made was not as forked")
         child = spare if spare is not None else self.fork_worker(eager=False if lazy else None)
         self.current = child
         self.confirm_cgroup(child)
@@ -327,8 +397,8 @@ class Zygote:
         of a program's (the broker tells the GPU's next lease holder so, see GRANT)."""
         self.spare = self.fork_worker()
         emit(ZygoteEvent.SPARE, worker=self.spare.identity, pid=self.spare.pid)
-        if self.generation == HUGE_PAGES_AFTER_FORKS:
-            # Once, a piece at a time whenever no event waits (wait_for_event).
+        if self.generation == HUGE_PAGES_AFTER_FORKS and self.forker is None:
+            # Once, a piece at a time whenever no event waits (wait_for_event); then the forker.
             self.collapse = huge_pages.Collapse()
 
     def discard(self, child: Child) -> None:
@@ -358,6 +428,7 @@ class Zygote:
         ready = self.selector.select(timeout=timeout)
         if not ready and self.collapse is not None and not self.collapse.step():
             self.collapse = None
+            self.start_forker()
         for key, _ in ready:
             if key.data == "commands":
                 self.read_commands()
