@@ -91,7 +91,8 @@ def read_samples(raw: Path) -> tuple[Counter[str], Counter[str], int]:
 
 
 class SlotCounters(NamedTuple):
-    """The zygotes' own CPU seconds and minor faults, and those of the workers they reaped."""
+    """The zygotes' (and their forkers') own CPU seconds and minor faults, and those of the workers
+    they reaped."""
 
     zygote_cpu: float
     zygote_faults: int
@@ -103,15 +104,23 @@ class SlotCounters(NamedTuple):
 
 
 def zygotes(broker_pid: int) -> list[psutil.Process]:
-    """The broker's zygotes: its descendants named so whose parent is not one (a worker keeps the
-    name until it renames itself)."""
+    """The broker's zygotes and their forkers (``kcoral.worker.forker``): its descendants named so
+    whose parent is not a zygote (a worker keeps its parent's name until it renames itself)."""
     named = []
     for process in psutil.Process(broker_pid).children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):  # a worker that exited meanwhile
-            if process.name() == "kcoral-zygote":
-                named.append((process, process.ppid()))
-    pids = {process.pid for process, _ in named}
-    return [process for process, parent in named if parent not in pids]
+            if process.name() in ("kcoral-zygote", "kcoral-forker"):
+                named.append((process, process.ppid(), process.name()))
+    pids = {process.pid for process, _, name in named if name == "kcoral-zygote"}
+    slots = [process for process, parent, name in named if name == "kcoral-zygote" and parent not in pids]
+    # A zygote's forker is its oldest child of that name (a worker is named so a moment after its clone).
+    forkers: dict[int, psutil.Process] = {}
+    for process, parent, name in named:
+        if name == "kcoral-forker" and parent in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if parent not in forkers or process.create_time() < forkers[parent].create_time():
+                    forkers[parent] = process
+    return slots + list(forkers.values())
 
 
 def slot_counters(processes: list[psutil.Process]) -> SlotCounters:
@@ -174,7 +183,8 @@ def main() -> int:
         f"{machine_cpu / args.seconds:.1f} of {os.cpu_count()} cores busy)"
     )
     print(
-        f"Per program: the zygotes {1000 * slots.zygote_cpu / done:.3f} ms of CPU and {slots.zygote_faults / done:.0f} "
+        f"Per program: the zygotes (with their forkers) {1000 * slots.zygote_cpu / done:.3f} ms of CPU and "
+        f"{slots.zygote_faults / done:.0f} "
         f"minor faults, the workers they reaped {1000 * slots.worker_cpu / done:.3f} ms and "
         f"{slots.worker_faults / done:.0f} (clock ticks of {1000 / os.sysconf('SC_CLK_TCK'):.0f} ms)"
     )
