@@ -322,7 +322,7 @@ def program_processes(broker: psutil.Process) -> int:
     for process in broker.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             name = process.name()
-            standing = name in ("kcoral-zygote", "kcoral-worker", "bwrap")
+            standing = name in ("kcoral-zygote", "kcoral-forker", "kcoral-worker", "bwrap")
             if not standing and "zygote" not in " ".join(process.cmdline()[:4]):
                 count += 1
     return count

@@ -8,11 +8,13 @@ share it, and each write into a huge page splits that page's mapping into 512 sm
 good. After a few hundred programs a zygote held 27,000 small entries where its collapse had
 left about 13,000, and each fork copied them all (``benchmarks/RESULTS.md``, "The forker").
 
-The forker is forked once, after the zygote's memory is collapsed into huge pages and before
-any worker. From then on it only reads a request, forks and answers, so its huge pages stay
-whole and its few writes stay few. The zygote hands it, with each request, the descriptors the
-worker needs (its go pipe, its progress board, its memory cgroup); the forker passes them on and
-closes them.
+The zygote forks its forker once it has collapsed its memory into huge pages (after its first
+few workers, see ``HUGE_PAGES_AFTER_FORKS`` in :mod:`kcoral.worker.zygote`). The forker collapses
+again what the zygote's writes split meanwhile (those pieces are then its own copies, the rest
+stays shared with the zygote), says it is ready, and from then on only reads a request, forks and
+answers, so its huge pages stay whole and its few writes stay few. The zygote hands it, with
+each request, the descriptors the worker needs (its go pipe, its progress board, its memory
+cgroup); the forker passes them on and closes them.
 
 A worker is still the zygote's own child: the forker makes it with ``clone(CLONE_PARENT)``, so the
 zygote reaps it, reads its exit status, sees its end through a pidfd and is the parent its death
@@ -39,13 +41,16 @@ import platform
 import select
 import signal
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kcoral.worker import processes
+from kcoral.worker import huge_pages, processes
 
 FORKER_ANSWER_SECONDS = 5.0  # a fork takes milliseconds; a stopped or starved forker is given up
+FORKER_READY_SECONDS = 60.0  # its collapse takes a second or less; one not ready by then is given up
 REQUEST_BYTES = 4096
+READY = b"ready"
 MAX_DESCRIPTORS = 4
 
 CLONE_PARENT = 0x00008000
@@ -148,6 +153,8 @@ class Forker:
     def __init__(self, pid: int, link: socket.socket) -> None:
         self.pid = pid
         self.link = link
+        self.ready = False  # it says so once its memory is collapsed (read_ready)
+        self.started = time.monotonic()
 
     @classmethod
     def start(cls, start_worker: WorkerStart) -> Forker | None:
@@ -167,6 +174,14 @@ class Forker:
                 os._exit(code)
         theirs.close()
         return cls(pid, ours)
+
+    def read_ready(self) -> bool:
+        """Its first word, once the link is readable: whether it is ready to fork."""
+        try:
+            self.ready = self.link.recv(64) == READY
+        except OSError:
+            self.ready = False
+        return self.ready
 
     def fork(self, request: ForkRequest, descriptors: list[int]) -> int | None:
         """The new worker's pid; None where the forker did not answer (it is then killed: see
@@ -190,7 +205,6 @@ class Forker:
 
 def _serve(link: socket.socket, zygote_pid: int, start_worker: WorkerStart) -> None:
     """The forker's loop: a request, a clone, its pid back; returns when the zygote is gone."""
-    processes.set_process_name("kcoral-forker")
     processes.set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != zygote_pid:
         return
@@ -208,6 +222,14 @@ def _serve(link: socket.socket, zygote_pid: int, start_worker: WorkerStart) -> N
     os.closerange(kept + 1, os.sysconf("SC_OPEN_MAX"))
     clone = ParentClone.of_this_process()  # this thread's descriptor: the zygote's copy, here
     if clone is None:
+        return
+    # What the zygote's writes split since its own collapse, whole again before the first fork:
+    # shared with the zygote where it was still whole, a copy of the forker's own where not.
+    huge_pages.collapse_anonymous_memory()
+    processes.set_process_name("kcoral-forker")  # by this name once ready (the zygote's before)
+    try:
+        link.send(READY)
+    except OSError:
         return
     while True:
         try:

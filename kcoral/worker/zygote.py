@@ -71,7 +71,7 @@ from kcoral.worker.children import (
     let_go,
     preload_for_workers,
 )
-from kcoral.worker.forker import Forker, ForkRequest, ParentClone
+from kcoral.worker.forker import FORKER_READY_SECONDS, Forker, ForkRequest, ParentClone
 from kcoral.worker.memory_cgroup import WorkerCgroup, WorkerCgroupPool
 from kcoral.worker.run_directory import READY_NAME, RunDirectory
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
@@ -138,7 +138,8 @@ class Zygote:
         self.expected = SpareState.of_this_process(settings.limits)
         self.pid = os.getpid()
         self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
-        self.forker: Forker | None = None  # forks the workers where there is one (kcoral.worker.forker)
+        self.forker: Forker | None = None  # forks the workers once ready (kcoral.worker.forker)
+        self.forker_due: int | None = None  # the fork at which a new one starts, after one was retired
         # The slot's directory in the broker's memory cgroup: each worker gets a cgroup of its own
         # in it, held to the memory limit by the kernel (kcoral.worker.memory_cgroup).
         memory_limit = settings.limits.get("memory_bytes") or 0
@@ -281,16 +282,30 @@ class Zygote:
         return child
 
     def start_forker(self) -> None:
-        """Once our memory is in huge pages: the forker, which forks the workers from then on and
-        keeps those pages whole (:mod:`kcoral.worker.forker`)."""
+        """Once our memory is in huge pages: the forker, which forks the workers once it says it is
+        ready (its own memory collapsed too) and keeps those pages whole (:mod:`kcoral.worker.forker`)."""
         if self.forker is None and not self.stopping and ParentClone.of_this_process() is not None:
             self.forker = Forker.start(self._start_forked_worker)
+            if self.forker is not None:
+                self.selector.register(self.forker.link, selectors.EVENT_READ, "forker")
+
+    def on_forker_ready(self) -> None:
+        """The forker's first word: ready (or its end)."""
+        if self.forker is None:
+            return
+        self.selector.unregister(self.forker.link)
+        if not self.forker.read_ready():
+            self.retire_forker("it did not start")
 
     def _fork_by_forker(
         self, identity: str, eager: bool, board: processes.ProgressBoard, go: int, cgroup_directory: int | None
     ) -> int | None:
         """The worker's pid, forked by the forker; None where there is none (any more)."""
         if self.forker is None or board.descriptor is None:
+            return None
+        if not self.forker.ready:
+            if time.monotonic() - self.forker.started > FORKER_READY_SECONDS:
+                self.retire_forker("it was not ready in time")  # stopped while it collapsed, say
             return None
         named = {"go": go, "board": board.descriptor}
         if cgroup_directory is not None:
@@ -301,14 +316,16 @@ class Zygote:
         return pid
 
     def retire_forker(self, why: str) -> None:
-        """End the forker: we fork ourselves until a new one is started, after our memory is
-        collapsed again."""
+        """End the forker: we fork ourselves until a new one starts, HUGE_PAGES_AFTER_FORKS forks
+        later (a program that ends every forker it can costs a fork a few programs, no more)."""
         if self.forker is None:
             return
         print(f"kcoral-zygote: forker {self.forker.pid} ended ({why}); forking here", file=sys.stderr)
+        with contextlib.suppress(KeyError, ValueError):  # registered until its first word
+            self.selector.unregister(self.forker.link)
         self.forker.close()
         self.forker = None
-        self.collapse = huge_pages.Collapse()
+        self.forker_due = self.generation + HUGE_PAGES_AFTER_FORKS
 
     def _start_forked_worker(self, request: ForkRequest, descriptors: dict[str, int]) -> None:
         """In a worker the forker made (the zygote's child): become the worker; never returns."""
@@ -397,9 +414,12 @@ class Zygote:
         of a program's (the broker tells the GPU's next lease holder so, see GRANT)."""
         self.spare = self.fork_worker()
         emit(ZygoteEvent.SPARE, worker=self.spare.identity, pid=self.spare.pid)
-        if self.generation == HUGE_PAGES_AFTER_FORKS and self.forker is None:
+        if self.generation == HUGE_PAGES_AFTER_FORKS:
             # Once, a piece at a time whenever no event waits (wait_for_event); then the forker.
             self.collapse = huge_pages.Collapse()
+        elif self.forker_due is not None and self.generation >= self.forker_due:
+            self.forker_due = None
+            self.start_forker()
 
     def discard(self, child: Child) -> None:
         """Kill and reap a spare that will not serve (it ran nothing: nothing to report)."""
@@ -432,6 +452,8 @@ class Zygote:
         for key, _ in ready:
             if key.data == "commands":
                 self.read_commands()
+            elif key.data == "forker":
+                self.on_forker_ready()
             elif isinstance(key.data, WorkerCgroup):
                 self.on_out_of_memory(key.data)
             else:
