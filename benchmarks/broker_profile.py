@@ -1,7 +1,7 @@
 """Where a busy broker's CPU goes: constant programs with N in flight, the broker sampled by py-spy.
 
     python benchmarks/broker_profile.py [--broker-flags "--device cpu --workers 16"] [--in-flight 16]
-        [--seconds 10] [--session] [--raw out.txt] [--top 25] [--checkout DIR]
+        [--seconds 10] [--warmup 0] [--session] [--raw out.txt] [--top 25] [--checkout DIR]
 
 One ``AsyncClient`` keeps ``--in-flight`` constant programs in flight for ``--seconds``; meanwhile
 ``py-spy record --format raw`` samples the broker's Python thread (``py-spy`` on PATH; without it
@@ -13,7 +13,9 @@ worker's faults are mostly pages it shares with its zygote and copies as it writ
 ``kcoral.worker.immortal``), and the functions the broker's thread was in when busy (its own
 time, then with what it called), idle samples (the event loop waiting) left out. The throughput
 goal of the CPU path (1,000 programs a second with 16 workers) needs a broker that spends under a
-millisecond of CPU on each program. ``--checkout DIR``: the broker of the source tree at DIR (a
+millisecond of CPU on each program. ``--warmup SECONDS``: the same load first, unmeasured (a zygote
+starts its forker only once it has forked a few workers and collapsed its memory, see
+``kcoral.worker.forker``). ``--checkout DIR``: the broker of the source tree at DIR (a
 worktree of an older commit, say) instead of this one's.
 """
 
@@ -50,15 +52,17 @@ from kcoral import AsyncClient
 IDLE_FRAMES = ("Runner.run (asyncio/runners.py", "select (selectors.py", "_run_once (asyncio/base_events.py")
 
 
-async def keep_busy(url: str, in_flight: int, seconds: float, session: bool, started: asyncio.Event) -> int:
-    """Constant programs, ``in_flight`` at a time, for ``seconds`` after ``started`` is set; how many."""
+async def keep_busy(
+    url: str, in_flight: int, seconds: float, session: bool, started: asyncio.Event, warmup: float = 0.0
+) -> int:
+    """Constant programs, ``in_flight`` at a time, for ``warmup`` seconds and then for ``seconds``
+    after ``started`` is set; how many in the latter."""
     program = constant_program()
     done = 0
     async with AsyncClient(url, session=session) as client:
         for _ in range(10):
             await client.execute(program)
-        started.set()
-        end = time.monotonic() + seconds
+        end = time.monotonic() + warmup
 
         async def one_lane() -> None:
             nonlocal done
@@ -67,6 +71,10 @@ async def keep_busy(url: str, in_flight: int, seconds: float, session: bool, sta
                 assert result.completed, result.error
                 done += 1
 
+        await asyncio.gather(*(one_lane() for _ in range(in_flight)))
+        done = 0
+        started.set()
+        end = time.monotonic() + seconds
         await asyncio.gather(*(one_lane() for _ in range(in_flight)))
     return done
 
@@ -123,24 +131,34 @@ def zygotes(broker_pid: int) -> list[psutil.Process]:
     return slots + list(forkers.values())
 
 
-def slot_counters(processes: list[psutil.Process]) -> SlotCounters:
-    """Summed over ``processes`` (fields 10 to 17 of ``/proc/PID/stat``)."""
+def slot_counters(processes: list[psutil.Process]) -> dict[int, SlotCounters]:
+    """Each of ``processes``' (fields 10 to 17 of ``/proc/PID/stat``), by pid."""
     ticks = os.sysconf("SC_CLK_TCK")
-    totals: list[float] = [0.0, 0.0, 0.0, 0.0]
+    counters = {}
     for process in processes:
-        with open(f"/proc/{process.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+        try:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
         minflt, cminflt, utime, stime, cutime, cstime = (int(fields[i]) for i in (7, 8, 11, 12, 13, 14))
-        for i, value in enumerate(((utime + stime) / ticks, minflt, (cutime + cstime) / ticks, cminflt)):
-            totals[i] += value
-    return SlotCounters(totals[0], int(totals[1]), totals[2], int(totals[3]))
+        counters[process.pid] = SlotCounters((utime + stime) / ticks, minflt, (cutime + cstime) / ticks, cminflt)
+    return counters
+
+
+def counters_since(before: dict[int, SlotCounters], after: dict[int, SlotCounters]) -> SlotCounters:
+    """What the processes of ``after`` counted since ``before`` (from nothing where one was not there
+    yet: a forker started meanwhile)."""
+    none = SlotCounters(0.0, 0, 0.0, 0)
+    used = [counters - before.get(pid, none) for pid, counters in after.items()]
+    return SlotCounters(*(sum(column) for column in zip(none, *used, strict=True)))
 
 
 async def measure(
     args: argparse.Namespace, url: str, pid: int, raw: Path
 ) -> tuple[int, float, float, float, SlotCounters]:
     started = asyncio.Event()
-    load = asyncio.create_task(keep_busy(url, args.in_flight, args.seconds, args.session, started))
+    load = asyncio.create_task(keep_busy(url, args.in_flight, args.seconds, args.session, started, args.warmup))
     await started.wait()
     spy = shutil.which("py-spy")
     recorder = None
@@ -148,11 +166,10 @@ async def measure(
         command = [spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate", "1000"]
         command += ["--format", "raw", "--nonblocking", "--output", str(raw)]
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    slots = zygotes(pid)
-    slots_before = slot_counters(slots)
+    slots_before = slot_counters(zygotes(pid))
     broker_before, client_before, busy_before = process_cpu_seconds(pid), time.process_time(), machine_busy_seconds()
     done = await load
-    slots_used = slot_counters(slots) - slots_before
+    slots_used = counters_since(slots_before, slot_counters(zygotes(pid)))
     broker_cpu, client_cpu = process_cpu_seconds(pid) - broker_before, time.process_time() - client_before
     machine_cpu = machine_busy_seconds() - busy_before
     if recorder is not None:
@@ -165,6 +182,7 @@ def main() -> int:
     parser.add_argument("--broker-flags", default="--device cpu --workers 16", help="flags for kcoral broker (quoted)")
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=0.0, help="seconds of the same load before measuring")
     parser.add_argument("--session", action="store_true", help="every program in the client's session")
     parser.add_argument("--raw", type=Path, default=None, help="keep py-spy's raw stacks here")
     parser.add_argument("--top", type=int, default=25, help="functions listed in each table")
