@@ -26,9 +26,10 @@ in the forker when the zygote forked it, and the forker starts no thread: every 
 the state they left, as a fork of the forker would.
 
 A program runs as the same user as the forker, so it can signal it. A forker that is gone or does
-not answer within FORKER_ANSWER_SECONDS is killed, and the zygote forks its workers itself from
-then on, as it did before there was a forker. Where the clone cannot be made as glibc makes it
-(an architecture not listed below, a kernel without ``PR_GET_TID_ADDRESS``), there is no forker.
+not answer within FORKER_ANSWER_SECONDS is killed, and the zygote forks its workers itself until
+it starts another (see :meth:`kcoral.worker.zygote.Zygote.retire_forker`). Where the clone cannot
+be made as glibc makes it (an architecture not listed below, a kernel without
+``PR_GET_TID_ADDRESS``), there is no forker.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ from dataclasses import dataclass
 
 from kcoral.worker import huge_pages, processes
 
-FORKER_ANSWER_SECONDS = 5.0  # a fork takes milliseconds; a stopped or starved forker is given up
+FORKER_ANSWER_SECONDS = 1.0  # a fork takes milliseconds; a stopped or starved forker is given up (the
+# zygote waits for the answer, its events unread meanwhile: a stopped forker costs the slot this once)
 FORKER_READY_SECONDS = 60.0  # its collapse takes a second or less; one not ready by then is given up
 REQUEST_BYTES = 4096
 READY = b"ready"
