@@ -145,3 +145,50 @@ def test_a_zygote_forks_itself_once_its_forker_is_killed_or_stopped(tmp_path: Pa
     assert all(look["parent"] == "kcoral-zygote" for look in looks)
     assert all(look["forker"] != forker for look in looks[1:])
     assert all(look["thread_id_recorded"] for look in looks)
+
+
+LEAVE_AND_HOLD = """
+import os, subprocess, sys, time
+
+def leave():
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return daemon.pid
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+def hold(mib, seconds):
+    data = b"x" * (mib << 20)
+    time.sleep(seconds)
+    return len(data)
+"""
+
+
+def test_with_the_forker_serving_what_a_program_leaves_is_killed_and_its_memory_bounded(tmp_path: Path) -> None:
+    """The forker is the one process below the zygote besides the spare that is not the program's:
+    a program's leftovers are still killed and its memory still counted, and the forker stays."""
+    broker = start_broker(tmp_path, "--workers", "1", "--device", "cpu", "--memory-limit", "1g")
+    try:
+        forker = forker_of(broker)
+        assert forker is not None
+        left = run_function(broker.url, LEAVE_AND_HOLD, "leave")
+        assert left.completed, left.error
+        after = run_function(broker.url, LEAVE_AND_HOLD, "alive", left.results["out"])
+        assert after.completed, after.error
+        assert after.results["out"] is False  # killed with the worker that started it
+        over = run_function(broker.url, LEAVE_AND_HOLD, "hold", 1536, 4.0)
+        assert not over.completed, "1.5 GiB held for 4 s under a 1 GiB limit"
+        assert over.error is not None and "--memory-limit" in over.error["message"], over.error
+        fine = run_function(broker.url, LEAVE_AND_HOLD, "hold", 64, 0.5)
+        assert fine.completed, fine.error
+        assert psutil.pid_exists(forker) and psutil.Process(forker).name() == "kcoral-forker"
+    finally:
+        broker.stop()
