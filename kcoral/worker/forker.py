@@ -160,7 +160,8 @@ class Forker:
 
     @classmethod
     def start(cls, start_worker: WorkerStart) -> Forker | None:
-        """Fork the forker (from the zygote, before any worker); None where there can be none."""
+        """Fork the forker (from the zygote, once its memory is collapsed); None where there can be
+        none (see :meth:`ParentClone.of_this_process`)."""
         zygote_pid = os.getpid()
         if ParentClone.of_this_process() is None:
             return None

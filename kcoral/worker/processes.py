@@ -380,8 +380,8 @@ class ProgressBoard:
     """Eight bytes shared by the zygote and its workers: the index of the instruction running now.
 
     A worker also reports its progress to the broker over zmq, but a worker that dies at once
-    (``os._exit``, a signal) takes its unsent messages with it; this anonymous shared mapping,
-    made by the zygote before it forks, survives the worker, so the zygote can say in its
+    (``os._exit``, a signal) takes its unsent messages with it; this shared mapping, made by the
+    zygote before it forks, survives the worker, so the zygote can say in its
     ``exited`` event which instruction the worker was executing. It is a memory file's, so that
     the zygote can hand it to the forker (:mod:`kcoral.worker.forker`) by its ``descriptor``,
     which it closes (:meth:`let_go`) once the worker is forked; a worker of the forker maps it

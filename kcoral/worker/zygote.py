@@ -71,7 +71,7 @@ from kcoral.worker.children import (
     let_go,
     preload_for_workers,
 )
-from kcoral.worker.forker import FORKER_READY_SECONDS, Forker, ForkRequest, ParentClone
+from kcoral.worker.forker import FORKER_READY_SECONDS, Forker, ForkRequest
 from kcoral.worker.memory_cgroup import WorkerCgroup, WorkerCgroupPool
 from kcoral.worker.run_directory import READY_NAME, RunDirectory
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
@@ -245,7 +245,6 @@ class Zygote:
         board = processes.ProgressBoard()
         sys.stdout.flush()
         sys.stderr.flush()
-        zygote_pid = os.getpid()
         go_read, go_write = os.pipe()
         cgroup = self.cgroups.take(identity) if self.cgroups is not None else None
         # It joins its cgroup itself, at once: migrating a process took a tenth of a busy
@@ -258,7 +257,7 @@ class Zygote:
                 become_worker(
                     self.settings,
                     identity,
-                    zygote_pid,
+                    self.pid,
                     board,
                     go_read,
                     eager_cuda=eager,
@@ -284,7 +283,7 @@ class Zygote:
     def start_forker(self) -> None:
         """Once our memory is in huge pages: the forker, which forks the workers once it says it is
         ready (its own memory collapsed too) and keeps those pages whole (:mod:`kcoral.worker.forker`)."""
-        if self.forker is None and not self.stopping and ParentClone.of_this_process() is not None:
+        if self.forker is None and not self.stopping:  # Forker.start says where there can be none
             self.forker = Forker.start(self._start_forked_worker)
             if self.forker is not None:
                 self.selector.register(self.forker.link, selectors.EVENT_READ, "forker")
