@@ -192,3 +192,37 @@ def test_with_the_forker_serving_what_a_program_leaves_is_killed_and_its_memory_
         assert psutil.pid_exists(forker) and psutil.Process(forker).name() == "kcoral-forker"
     finally:
         broker.stop()
+
+
+FORK_AND_WAIT = """
+import os, time
+
+def fork_and_wait(count, seconds):
+    for _ in range(count):
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+    time.sleep(seconds)
+    return count
+"""
+
+
+def test_a_program_that_stops_the_forker_is_still_watched_while_the_zygote_waits_for_it(tmp_path: Path) -> None:
+    """A stopped forker keeps the zygote waiting for its answer about the next spare, up to
+    FORKER_ANSWER_SECONDS, while the program that came before that fork runs: the watchdog samples
+    it all the same, and it does not get that long over its limits."""
+    broker = start_broker(tmp_path, "--workers", "1", "--device", "cpu", "--max-processes", "8")
+    try:
+        forker = forker_of(broker)
+        assert forker is not None
+        stopped = run_function(broker.url, LOOK_AROUND, "signal_forker", "SIGSTOP", timeout_seconds=60)
+        assert stopped.completed, stopped.error
+        assert stopped.results["out"] == forker
+        # Its successor is announced, and the zygote asks the stopped forker for the spare beside it.
+        over = run_function(broker.url, FORK_AND_WAIT, "fork_and_wait", 16, FORKER_ANSWER_SECONDS * 0.7)
+        after = run_function(broker.url, FORK_AND_WAIT, "fork_and_wait", 2, 0.0)
+    finally:
+        broker.stop()
+    assert not over.completed, "17 processes for most of the wait, under a limit of 8"
+    assert over.error is not None and "--max-processes" in over.error["message"], over.error
+    assert after.completed, after.error

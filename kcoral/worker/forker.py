@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from kcoral.worker import huge_pages, processes
 
 FORKER_ANSWER_SECONDS = 1.0  # a fork takes milliseconds; a stopped or starved forker is given up (the
-# zygote waits for the answer, its events unread meanwhile: a stopped forker costs the slot this once)
+# zygote waits for the answer, its watchdog sampling meanwhile: a stopped forker costs the slot this once)
 FORKER_READY_SECONDS = 60.0  # its collapse takes a second or less; one not ready by then is given up
 REQUEST_BYTES = 4096
 READY = b"ready"
@@ -186,12 +186,26 @@ class Forker:
             self.ready = False
         return self.ready
 
-    def fork(self, request: ForkRequest, descriptors: list[int]) -> int | None:
-        """The new worker's pid; None where the forker did not answer (it is then killed: see
-        :meth:`close`, and the module's docstring)."""
+    def fork(
+        self,
+        request: ForkRequest,
+        descriptors: list[int],
+        *,
+        meanwhile: Callable[[], None] = lambda: None,
+        every: float = FORKER_ANSWER_SECONDS,
+    ) -> int | None:
+        """The new worker's pid; None where the forker did not answer within FORKER_ANSWER_SECONDS
+        (it is then killed: see :meth:`close`, and the module's docstring). ``meanwhile`` is
+        called every ``every`` seconds while the answer is not in."""
         try:
             socket.send_fds(self.link, [request.encode()], descriptors)
-            ready, _, _ = select.select([self.link], [], [], FORKER_ANSWER_SECONDS)
+            deadline = time.monotonic() + FORKER_ANSWER_SECONDS
+            while True:
+                left = deadline - time.monotonic()
+                ready, _, _ = select.select([self.link], [], [], max(0.0, min(left, every)))
+                if ready or left <= 0:
+                    break
+                meanwhile()
             answer = self.link.recv(64) if ready else b""
             return int(answer) if answer.isdigit() else None
         except (OSError, ValueError):

@@ -136,6 +136,9 @@ class Zygote:
         self.crashes = 0
         self.next_alive = 0.0
         self.expected = SpareState.of_this_process(settings.limits)
+        # While the forker's answer is awaited: the processes that became our children since the
+        # request went (the clone among them, its pid not known yet), left to the spare's side.
+        self.unanswered: set[int] = set()
         self.pid = os.getpid()
         self.parent = os.getppid()  # the broker, or the sandbox's init: PARENT_DEATH_SIGNAL is its death
         self.forker: Forker | None = None  # forks the workers once ready (kcoral.worker.forker)
@@ -227,12 +230,12 @@ class Zygote:
         return [c for c in (self.current, self.spare) if c is not None]
 
     def spared(self) -> set[int]:
-        """The spare's pid and the forker's: the processes below us that are not the running
-        program's."""
+        """The spare's pid and the forker's (and, while its answer is awaited, what became our
+        child meanwhile): the processes below us that are not the running program's."""
         pids = {self.spare.pid} if self.spare is not None else set()
         if self.forker is not None:
             pids.add(self.forker.pid)
-        return pids
+        return pids | self.unanswered
 
     def fork_worker(self, eager: bool | None = None) -> Child:
         """Fork a worker, eager (its CUDA context made at once) as the slot's setting and its last
@@ -250,7 +253,17 @@ class Zygote:
         # It joins its cgroup itself, at once: migrating a process took a tenth of a busy
         # zygote's time on the 2-core VM (cgroup v1), which then held up the slot's next worker.
         cgroup_directory = cgroup.fd if cgroup is not None else None
-        pid = self._fork_by_forker(identity, eager, board, go_read, cgroup_directory)
+        pid, handed = self._fork_by_forker(identity, eager, board, go_read, cgroup_directory)
+        if pid is None and handed:
+            # A clone the forker made before it stopped holds these and is connected under this
+            # identity: one forked here gets its own (that clone reads the end of its go pipe
+            # then, and exits without a word).
+            identity = f"w{self.settings.slot}-{self.generation}-{secrets.token_hex(8)}"
+            os.close(go_read)
+            os.close(go_write)
+            board.let_go()
+            board = processes.ProgressBoard()
+            go_read, go_write = os.pipe()
         if pid is None:
             pid = os.fork()
             if pid == 0:
@@ -298,21 +311,43 @@ class Zygote:
 
     def _fork_by_forker(
         self, identity: str, eager: bool, board: processes.ProgressBoard, go: int, cgroup_directory: int | None
-    ) -> int | None:
-        """The worker's pid, forked by the forker; None where there is none (any more)."""
+    ) -> tuple[int | None, bool]:
+        """The worker's pid, forked by the forker (None where there is none, any more), and
+        whether the forker was handed the descriptors."""
         if self.forker is None or board.descriptor is None:
-            return None
+            return None, False
         if not self.forker.ready:
             if time.monotonic() - self.forker.started > FORKER_READY_SECONDS:
                 self.retire_forker("it was not ready in time")  # stopped while it collapsed, say
-            return None
+            return None, False
         named = {"go": go, "board": board.descriptor}
         if cgroup_directory is not None:
             named["cgroup"] = cgroup_directory
-        pid = self.forker.fork(ForkRequest(identity, eager, tuple(named)), list(named.values()))
+        before = set(processes.children(self.pid)) if self.watchdog.watched else set()
+        try:
+            pid = self.forker.fork(
+                ForkRequest(identity, eager, tuple(named)),
+                list(named.values()),
+                meanwhile=lambda: self._watch_while_forking(before),
+                every=WATCH_INTERVAL_SECONDS,
+            )
+        finally:
+            self.unanswered = set()
         if pid is None:
             self.retire_forker("it did not answer")  # gone, or stopped: a program can signal it
-        return pid
+        return pid, True
+
+    def _watch_while_forking(self, before: set[int]) -> None:
+        """A watchdog sample while the forker's answer is not in. A program can stop the forker
+        and then use the wait (up to FORKER_ANSWER_SECONDS), so its samples go on. What became our
+        child since the request went is left out: the clone is among it, and its pid is not known
+        yet (counted, its memory would be taken for the program's). A process the program makes
+        our child meanwhile (``CLONE_PARENT``) is counted once the wait is over."""
+        current = self.current
+        if current is None or not self.watchdog.due(time.monotonic()):
+            return
+        self.unanswered = set(processes.children(self.pid)) - before
+        self.watch(current)
 
     def retire_forker(self, why: str) -> None:
         """End the forker: we fork ourselves until a new one starts, HUGE_PAGES_AFTER_FORKS forks
