@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kcoral.broker.broker import EXIT_MISCONFIGURED
 from kcoral.broker.settings import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_OPEN_FILES,
@@ -21,6 +22,7 @@ from kcoral.broker.settings import (
 )
 from kcoral.cli import build_parser
 from kcoral.cli.broker import broker_settings
+from tests.helpers import start_broker
 
 
 def test_the_flags_left_out_ask_for_the_library_defaults() -> None:
@@ -56,3 +58,19 @@ def test_resolve_decides_auto_and_refuses_what_it_does_not_know() -> None:
         resolve(BrokerSettings(sandbox="docker"))
     with pytest.raises(ValueError, match="unknown worker limits"):
         resolve(dataclasses.replace(BrokerSettings(sandbox="none"), limits={"cpu_seconds": 1}))
+
+
+@pytest.mark.parametrize("sandbox", ["none", "bubblewrap"])
+def test_a_memory_limit_no_worker_can_start_under_stops_the_broker_with_what_to_give(
+    tmp_path: Path, sandbox: str
+) -> None:
+    """Each worker starts with its zygote's private data (torch and the rest preloaded) under its
+    RLIMIT_DATA: below that no thread of it can start. The broker says so once and exits
+    (EXIT_MISCONFIGURED), rather than fork workers that abort one after another and never get ready."""
+    with pytest.raises(RuntimeError) as failed:
+        start_broker(tmp_path, "--workers", "2", "--device", "cpu", "--memory-limit", "64m", "--sandbox", sandbox)
+    text = str(failed.value)
+    assert f"exited with {EXIT_MISCONFIGURED}" in text, text[-3000:]
+    assert "--memory-limit 64 MiB is below what a worker holds before its program runs" in text, text[-3000:]
+    assert "give at least" in text
+    assert "cannot allocate memory" not in text  # no worker was forked to find out

@@ -44,6 +44,8 @@ from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.worker.memory_cgroup import SlotCgroups
 
 log = structlog.get_logger("kcoral.broker")
+# The broker stops with this where a zygote says it cannot serve with the broker's settings (EX_CONFIG).
+EXIT_MISCONFIGURED = 78
 
 
 class Broker:
@@ -124,6 +126,7 @@ class Broker:
             lambda exit: self.worker_messages.on_exit(exit),
             lambda s, w: self.worker_messages.on_forked(s, w),
             lambda worker: self.worker_messages.on_gpu_free(worker),
+            self._on_slot_refused,
         )
         self.pool = WorkerPool(self.supervisor.states)
         self.sessions = SessionTable(settings.session_idle_seconds, settings.session_max_seconds)
@@ -184,6 +187,12 @@ class Broker:
             memory_accounting=self.cgroups.describe(),
             instance_id=self.instance_id,
         )
+
+    def _on_slot_refused(self, slot: int, reason: str) -> None:
+        """A zygote cannot serve with this broker's settings: every slot shares them, so the broker
+        stops with EXIT_MISCONFIGURED rather than restart it (and answer nothing) forever."""
+        log.error("broker_cannot_serve", slot=slot, reason=reason)
+        self.shell.stop(EXIT_MISCONFIGURED)
 
     async def _release(self) -> None:
         if self.upstream is not None:

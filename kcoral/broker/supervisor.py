@@ -105,6 +105,7 @@ class SlotState:
     last_heard: float = 0.0  # monotonic time of the zygote's last event
     kill_asked: tuple[WorkerId, float] | None = None  # the worker we asked the zygote to kill, and when
     killed_for: str = ""  # why the supervisor killed the running zygote, when it did
+    refused: str = ""  # why the zygote said it cannot serve (ZygoteEvent.REFUSED): not restarted
 
 
 def _host_pid(state: SlotState, inside: int | None) -> int | None:
@@ -135,6 +136,9 @@ class Supervisor:
     on_fork: Callable[[int, WorkerId], None] = lambda slot, worker: None
     # A finished worker's processes are dead or hold no GPU device: its GPU lease may go back.
     on_gpu_free: Callable[[WorkerId], None] = lambda worker: None
+    # A zygote said it cannot serve with these settings (ZygoteEvent.REFUSED): slot, reason. It is
+    # not restarted; the broker stops.
+    on_refused: Callable[[int, str], None] = lambda slot, reason: None
     states: dict[int, SlotState] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
@@ -306,7 +310,7 @@ class Supervisor:
         while not self._stopping:
             state.started_at = time.monotonic()
             await self._run_zygote(state)
-            if self._stopping:
+            if self._stopping or state.refused:
                 return
             state.restarts += 1
             state.state = SlotPhase.RESTARTING
@@ -406,6 +410,11 @@ class Supervisor:
                 name = worker_name(state.worker)
                 log.debug("gpu_quiet", slot=state.spec.slot, worker=name, after_ms=event.get("after_ms"))
             self.on_gpu_free(state.worker)
+        elif kind is ZygoteEvent.REFUSED:
+            state.refused = str(event.get("reason") or "the zygote cannot serve with these settings")[:2000]
+            state.last_error = state.refused
+            log.error("slot_refused", slot=state.spec.slot, gpu=state.spec.gpu, reason=state.refused)
+            self.on_refused(state.spec.slot, state.refused)
         elif kind is ZygoteEvent.SPARE_GONE:
             if state.spare == event_worker(event):
                 state.spare, state.spare_pid = None, None

@@ -66,6 +66,9 @@ class ZygoteEvent(StrEnum):
     SPARE = "spare"
     EXITED = "exited"  # the fields of WorkerExit: the worker and everything it started are dead
     ALIVE = "alive"  # once a second: the zygote still watches its slot
+    # slot, reason: the zygote cannot serve with the broker's settings (no worker of it could start,
+    # such as under a --memory-limit below what the preloaded libraries hold); it exits then.
+    REFUSED = "refused"
 
 
 def zygote_command_line(command: ZygoteCommand, worker: WorkerId | None = None, **fields: Any) -> bytes:

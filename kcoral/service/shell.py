@@ -232,6 +232,7 @@ class ServiceShell(Generic[RequestT]):
         self.status_limit: RateLimit[bytes] = RateLimit(STATUS_REQUESTS_PER_SECOND, STATUS_REQUESTS_BURST)
         self._fail_request = fail_request
         self._stopped = asyncio.Event()
+        self.exit_code = 0  # what serve returns: see stop
         # One ZAP handler for every CURVE socket of the context: the clients', and a router's nodes'.
         security = settings.security
         self.zap = auth.ZapAuthenticator(self.context, security.authorized) if security is not None else None
@@ -279,7 +280,7 @@ class ServiceShell(Generic[RequestT]):
                 self.terminate()
         if served:
             log.info(f"{self.name}_stopped", **counters())
-        return 0
+        return self.exit_code
 
     def bind(self, *more_endpoints: str) -> None:
         """Set the socket's options and bind it to ``settings.listen`` (and ``more_endpoints``)."""
@@ -320,8 +321,10 @@ class ServiceShell(Generic[RequestT]):
             await asyncio.wait_for(self.requests.empty.wait(), self.settings.drain_seconds)
         self.stop()
 
-    def stop(self) -> None:
-        """Stop now: :meth:`run` returns, and :meth:`close` answers what is still in flight."""
+    def stop(self, exit_code: int = 0) -> None:
+        """Stop now: :meth:`run` returns, and :meth:`close` answers what is still in flight;
+        :meth:`serve` returns ``exit_code`` (the first nonzero one given)."""
+        self.exit_code = self.exit_code or exit_code
         self._stopped.set()
 
     @property

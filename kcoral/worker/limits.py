@@ -179,6 +179,39 @@ def apply_rlimits(limits: dict[str, int]) -> None:
             resource.setrlimit(which, value)
 
 
+# What a fresh worker adds to its zygote's private data before its program runs: the stacks of its
+# threads (its sockets' two, its output follower's) and what they allocate.
+WORKER_START_BYTES = 64 << 20
+
+
+def own_data_bytes() -> int | None:
+    """This process's private data as ``RLIMIT_DATA`` counts it (``VmData``); None where unknown."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmData:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_limit_refusal(limits: dict[str, int], data_bytes: int | None) -> str | None:
+    """Why no worker could start under ``limits``' memory limit, in a process (a zygote) that holds
+    ``data_bytes`` of private data already; None where one can. A worker starts with its zygote's
+    data (the preloaded libraries: about 0.8 GiB with a CUDA build of torch, more with CUPTI) under
+    its ``RLIMIT_DATA``, and below that plus WORKER_START_BYTES its first thread cannot start."""
+    limit = limits.get("memory_bytes")
+    if not limit or data_bytes is None or data_bytes + WORKER_START_BYTES <= limit:
+        return None
+    suggested = -(-(data_bytes + WORKER_START_BYTES + (1 << 30)) // (1 << 30))
+    return (
+        f"{LIMIT_FLAGS['memory_bytes']} {format_bytes(limit)} is below what a worker holds before its program runs: "
+        f"{format_bytes(data_bytes)} of private data from the preloaded libraries, and about "
+        f"{format_bytes(WORKER_START_BYTES)} of its own; give at least {suggested} GiB (or 0 for no limit)"
+    )
+
+
 def format_bytes(count: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if count >= size:
