@@ -248,9 +248,7 @@ class Zygote:
         program say unless told."""
         eager = self.eager_cuda and self.programs_use_gpu if eager is None else eager
         self.generation += 1
-        # Unguessable and never reused: inside a sandbox every zygote is pid 2, and the broker only
-        # takes work-carrying READYs from the identity this zygote reports as forked.
-        identity = f"w{self.settings.slot}-{self.generation}-{secrets.token_hex(8)}"
+        identity = self.new_identity()
         board = processes.ProgressBoard()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -264,7 +262,7 @@ class Zygote:
             # A clone the forker made before it stopped holds these and is connected under this
             # identity: one forked here gets its own (that clone reads the end of its go pipe
             # then, and exits without a word).
-            identity = f"w{self.settings.slot}-{self.generation}-{secrets.token_hex(8)}"
+            identity = self.new_identity()
             os.close(go_read)
             os.close(go_write)
             board.let_go()
@@ -314,6 +312,12 @@ class Zygote:
         self.selector.unregister(self.forker.link)
         if not self.forker.read_ready():
             self.retire_forker("it did not start")
+
+    def new_identity(self) -> str:
+        """A worker's identity: unguessable and never reused (inside a sandbox every zygote is pid
+        2, and the broker only takes work-carrying READYs from the identity this zygote reports as
+        forked)."""
+        return f"w{self.settings.slot}-{self.generation}-{secrets.token_hex(8)}"
 
     def _fork_by_forker(
         self, identity: str, eager: bool, board: processes.ProgressBoard, go: int, cgroup_directory: int | None
