@@ -68,7 +68,11 @@ def test_a_memory_limit_no_worker_can_start_under_stops_the_broker_with_what_to_
     RLIMIT_DATA: below that no thread of it can start. The broker says so once and exits
     (EXIT_MISCONFIGURED), rather than fork workers that abort one after another and never get ready."""
     with pytest.raises(RuntimeError) as failed:
-        start_broker(tmp_path, "--workers", "2", "--device", "cpu", "--memory-limit", "64m", "--sandbox", sandbox)
+        start_broker(
+            tmp_path,
+            *("--workers", "2", "--device", "cpu", "--memory-limit", "64m", "--sandbox", sandbox),
+            skip_if_limit_refused=False,
+        )
     text = str(failed.value)
     assert f"exited with {EXIT_MISCONFIGURED}" in text, text[-3000:]
     assert "--memory-limit 64 MiB is below what a worker holds before its program runs" in text, text[-3000:]
