@@ -33,6 +33,10 @@ START_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 20.0
 POLL_SECONDS = 0.1
 HEALTH_TIMEOUT_SECONDS = 2.0  # one health() while starting; a slow answer is asked again
+# A free port can be taken by another process between free_port() and the service's bind: a
+# service started on ports it was not given is started again on new ones, this many times at most.
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "Address already in use"
 
 
 class LaunchOptions(TypedDict, total=False):
@@ -121,7 +125,8 @@ def start_broker(
     Its log is ``WORK_DIR/broker-PORT.log`` (``broker-PORT-1.log`` for a second start on that
     port, ...); a broker that does not get ready is killed.
     """
-    port = port or free_port()
+    if port is None:
+        return _on_free_ports(lambda: start_broker(work_dir, *args, port=free_port(), **launch))
     run_dir = work_dir / f"run-{port}"
     argv = ["broker", "--listen", f"tcp://127.0.0.1:{port}", "--run-dir", str(run_dir), *args]
     service = _spawn(argv, _fresh_log(work_dir, f"broker-{port}"), launch)
@@ -138,6 +143,16 @@ def start_router(
     **launch: Unpack[LaunchOptions],
 ) -> RunningService:
     """``kcoral router --listen URL --nodes-listen NODES_URL ARGS`` (free loopback ports by default), ready."""
+    if url is None and nodes_url is None:
+        return _on_free_ports(
+            lambda: start_router(
+                work_dir,
+                *args,
+                url=f"tcp://127.0.0.1:{free_port()}",
+                nodes_url=f"tcp://127.0.0.1:{free_port()}",
+                **launch,
+            )
+        )
     url = url or f"tcp://127.0.0.1:{free_port()}"
     nodes_url = nodes_url or f"tcp://127.0.0.1:{free_port()}"
     log_path = _fresh_log(work_dir, f"router-{url.rsplit(':', 1)[-1]}")
@@ -155,6 +170,17 @@ def running_broker(work_dir: Path, *args: str, **launch: Unpack[LaunchOptions]) 
         yield service
     finally:
         service.stop()
+
+
+def _on_free_ports(start: Callable[[], RunningService]) -> RunningService:
+    """``start()``, again (on new free ports) where the one it chose was taken meanwhile."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return start()
+        except RuntimeError as exc:
+            if PORT_TAKEN not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _spawn(argv: list[str], log_path: Path, launch: LaunchOptions) -> RunningService:
