@@ -4,11 +4,11 @@ asks for the library's own defaults."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 
-from kcoral.broker.broker import EXIT_MISCONFIGURED
 from kcoral.broker.settings import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_OPEN_FILES,
@@ -66,7 +66,7 @@ def test_a_memory_limit_no_worker_can_start_under_stops_the_broker_with_what_to_
 ) -> None:
     """Each worker starts with its zygote's private data (torch and the rest preloaded) under its
     RLIMIT_DATA: below that no thread of it can start. The broker says so once and exits
-    (EXIT_MISCONFIGURED), rather than fork workers that abort one after another and never get ready."""
+    (EX_CONFIG), rather than fork workers that abort one after another and never get ready."""
     with pytest.raises(RuntimeError) as failed:
         start_broker(
             tmp_path,
@@ -74,7 +74,7 @@ def test_a_memory_limit_no_worker_can_start_under_stops_the_broker_with_what_to_
             skip_if_limit_refused=False,
         )
     text = str(failed.value)
-    assert f"exited with {EXIT_MISCONFIGURED}" in text, text[-3000:]
+    assert f"exited with {os.EX_CONFIG}" in text, text[-3000:]
     assert "--memory-limit 64 MiB is below what a worker holds before its program runs" in text, text[-3000:]
     assert "give at least" in text
     assert "cannot allocate memory" not in text  # no worker was forked to find out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
 import socket as stdlib_socket
 import tempfile
@@ -44,8 +45,6 @@ from kcoral.service.sockets import receive_forever, router_socket, send_now
 from kcoral.worker.memory_cgroup import SlotCgroups
 
 log = structlog.get_logger("kcoral.broker")
-# The broker stops with this where a zygote says it cannot serve with the broker's settings (EX_CONFIG).
-EXIT_MISCONFIGURED = 78
 
 
 class Broker:
@@ -190,9 +189,10 @@ class Broker:
 
     def _on_slot_refused(self, slot: int, reason: str) -> None:
         """A zygote cannot serve with this broker's settings: every slot shares them, so the broker
-        stops with EXIT_MISCONFIGURED rather than restart it (and answer nothing) forever."""
+        stops with ``EX_CONFIG`` (78), as a service that cannot start does, rather than restart it
+        (and answer nothing) forever."""
         log.error("broker_cannot_serve", slot=slot, reason=reason)
-        self.shell.stop(EXIT_MISCONFIGURED)
+        self.shell.stop(os.EX_CONFIG)
 
     async def _release(self) -> None:
         if self.upstream is not None:

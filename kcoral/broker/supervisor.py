@@ -370,7 +370,8 @@ class Supervisor:
         code = await process.wait()
         died = state.killed_for or f"the zygote exited with code {code}"
         if not self._stopping:
-            why = f" ({state.killed_for})" if state.killed_for else ""
+            cause = state.killed_for or state.refused
+            why = f" ({cause})" if cause else ""
             state.last_error = f"zygote exited with code {code}{why}"
             log.error("zygote_died", slot=spec.slot, gpu=spec.gpu, returncode=code)
         if state.worker is not None:

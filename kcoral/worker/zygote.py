@@ -77,7 +77,6 @@ from kcoral.worker.run_directory import READY_NAME, RunDirectory
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
 
 FAST_EXIT_SECONDS = 1.0
-EXIT_REFUSED = 78  # EX_CONFIG: the broker's settings leave no worker able to start (ZygoteEvent.REFUSED)
 CRASH_LOOP_AFTER = 3  # this many fast, unexplained deaths in a row slow the forking down
 CRASH_BACKOFF_FIRST_SECONDS = 0.1
 MAX_FORK_BACKOFF_SECONDS = 5.0
@@ -159,7 +158,7 @@ class Zygote:
         if refusal is not None:
             # Said once, not a worker crash after another (each one's thread could not start).
             emit(ZygoteEvent.REFUSED, slot=self.settings.slot, reason=refusal)
-            return EXIT_REFUSED
+            return os.EX_CONFIG
         processes.set_process_name("kcoral-zygote")
         # Workers run as the same user: without this one of them could write the zygote's memory
         # through /proc/<zygote>/mem and so take over every later worker of the slot.
