@@ -4,7 +4,6 @@ is here, one function of uploaded source run as a program. The fixtures built on
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +60,7 @@ def start_broker(
     try:
         return testing.start_broker(tmp_path, *args, *sandbox, port=port, **launch)
     except RuntimeError as exc:
-        if skip_if_limit_refused and MEMORY_LIMIT_REFUSED in str(exc) and os.path.exists("/dev/nvidiactl"):
+        if skip_if_limit_refused and MEMORY_LIMIT_REFUSED in str(exc) and has_gpu():
             said = next((line for line in str(exc).splitlines() if MEMORY_LIMIT_REFUSED in line), "")
             pytest.skip(f"a limit sized for a CPU host, refused on this GPU host: {said.strip()[:400]}")
         raise
