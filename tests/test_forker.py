@@ -226,3 +226,39 @@ def test_a_program_that_stops_the_forker_is_still_watched_while_the_zygote_waits
     assert not over.completed, "17 processes for most of the wait, under a limit of 8"
     assert over.error is not None and "--max-processes" in over.error["message"], over.error
     assert after.completed, after.error
+
+
+SPREAD_MEMORY = """
+import os, time
+
+def spread(children, mib, seconds):
+    for _ in range(children):
+        if os.fork() == 0:
+            held = bytearray(mib << 20)
+            held[:: 4096] = b"x" * len(held[:: 4096])
+            time.sleep(30)
+            os._exit(0)
+    time.sleep(seconds)
+    return children * mib
+"""
+
+
+def test_a_program_that_stops_the_forker_is_still_held_to_its_memory_while_the_zygote_waits(tmp_path: Path) -> None:
+    """The same wait, another limit: three processes of 600 MiB each, every one under its own
+    RLIMIT_DATA, 1.8 GiB together under --memory-limit 1g with no memory cgroup, so that only the
+    watchdog's sum over the tree can see them."""
+    broker = start_broker(
+        tmp_path, "--workers", "1", "--device", "cpu", "--memory-limit", "1g", "--memory-cgroup", "off"
+    )
+    try:
+        forker = forker_of(broker)
+        assert forker is not None
+        stopped = run_function(broker.url, LOOK_AROUND, "signal_forker", "SIGSTOP", timeout_seconds=60)
+        assert stopped.completed, stopped.error
+        over = run_function(broker.url, SPREAD_MEMORY, "spread", 3, 600, FORKER_ANSWER_SECONDS * 0.8)
+        after = run_function(broker.url, FORK_AND_WAIT, "fork_and_wait", 2, 0.0)
+    finally:
+        broker.stop()
+    assert not over.completed, "1.8 GiB held for most of the wait, under a limit of 1 GiB"
+    assert over.error is not None and "--memory-limit" in over.error["message"], over.error
+    assert after.completed, after.error
