@@ -232,21 +232,25 @@ SPREAD_MEMORY = """
 import os, time
 
 def spread(children, mib, seconds):
+    filled, told = os.pipe()
     for _ in range(children):
         if os.fork() == 0:
             held = bytearray(mib << 20)
             held[:: 4096] = b"x" * len(held[:: 4096])
+            os.write(told, b".")
             time.sleep(30)
             os._exit(0)
+    for _ in range(children):
+        os.read(filled, 1)  # the memory is held from here on
     time.sleep(seconds)
     return children * mib
 """
 
 
 def test_a_program_that_stops_the_forker_is_still_held_to_its_memory_while_the_zygote_waits(tmp_path: Path) -> None:
-    """The same wait, another limit: three processes of 600 MiB each, every one under its own
-    RLIMIT_DATA, 1.8 GiB together under --memory-limit 1g with no memory cgroup, so that only the
-    watchdog's sum over the tree can see them."""
+    """The same wait, another limit: three processes of 450 MiB each, every one under its own
+    RLIMIT_DATA, 1.3 GiB together under --memory-limit 1g with no memory cgroup, so that only the
+    watchdog's sum over the tree can see them, held for 0.3 s of the wait once filled."""
     broker = start_broker(
         tmp_path, "--workers", "1", "--device", "cpu", "--memory-limit", "1g", "--memory-cgroup", "off"
     )
@@ -255,10 +259,10 @@ def test_a_program_that_stops_the_forker_is_still_held_to_its_memory_while_the_z
         assert forker is not None
         stopped = run_function(broker.url, LOOK_AROUND, "signal_forker", "SIGSTOP", timeout_seconds=60)
         assert stopped.completed, stopped.error
-        over = run_function(broker.url, SPREAD_MEMORY, "spread", 3, 600, FORKER_ANSWER_SECONDS * 0.8)
+        over = run_function(broker.url, SPREAD_MEMORY, "spread", 3, 450, FORKER_ANSWER_SECONDS * 0.3)
         after = run_function(broker.url, FORK_AND_WAIT, "fork_and_wait", 2, 0.0)
     finally:
         broker.stop()
-    assert not over.completed, "1.8 GiB held for most of the wait, under a limit of 1 GiB"
+    assert not over.completed, "1.3 GiB held for 0.3 s of the wait, under a limit of 1 GiB"
     assert over.error is not None and "--memory-limit" in over.error["message"], over.error
     assert after.completed, after.error
