@@ -358,7 +358,8 @@ def test_worker_exit_fails_the_program_and_service_continues(limited: RunningBro
 
 
 def test_killed_zygote_is_replaced(broker_factory: BrokerFactory) -> None:
-    broker = broker_factory("--workers", "1")
+    # CPU workers: one slot, so one zygote on any host (a GPU host's defaults give a slot per GPU).
+    broker = broker_factory("--workers", "1", "--device", "cpu")
     (zygote,) = health(broker.url)["workers"]["zygotes"]
     workers = processes.children(zygote["zygote_pid"])
     seen_pids.update([zygote["zygote_pid"], *workers])
