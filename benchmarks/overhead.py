@@ -208,6 +208,10 @@ PHASES = (
 )
 
 
+class NoTimeline(RuntimeError):
+    """The broker's results carry no ``timeline`` (a tree older than the phases)."""
+
+
 def phases(url: str, count: int, session: bool = False) -> dict[str, list[float]]:
     """Per-phase milliseconds of ``count`` constant programs, one at a time (see the docstring)."""
     program = constant_program()
@@ -227,7 +231,7 @@ def phases(url: str, count: int, session: bool = False) -> dict[str, list[float]
                 if isinstance(worker.get(name), (int, float)):
                     points[name] = float(worker[name])
             if not {"program_at", "executed_at", "finished_at", "received_at", "result_at"} <= points.keys():
-                raise RuntimeError("this broker reports no timeline (an older tree?)")
+                raise NoTimeline("this broker reports no timeline (an older tree?)")
             points["execute_start"], points["execute_end"] = 0.0, result.elapsed_ms / 1000
             for name, start, end in PHASES:
                 samples[name].append((points[end] - points[start]) * 1000)
@@ -403,8 +407,17 @@ def router_hop(args: argparse.Namespace) -> int:
             rows, rates = alternate(args, {name: running(url) for name, url in urls.items()})
         # The hop alone, without the fresh worker's noise: the client -> broker and broker ->
         # client phases of each program (its broker's timeline), alternated round by round too.
+        # A tree older than the timelines (the issue's reference, say) has its totals only.
+        untimed: set[str] = set()
         for name in in_turn(list(urls), args.rounds):
-            samples = phases(urls[name], max(1, args.requests // args.rounds))
+            tree = name.rpartition(" ")[0] + " " if " " in name else ""
+            if tree in untimed:
+                continue
+            try:
+                samples = phases(urls[name], max(1, args.requests // args.rounds))
+            except NoTimeline:
+                untimed.add(tree)
+                continue
             ways = zip(samples["client -> broker (EXECUTE read)"], samples["broker -> client (FINAL read)"])
             wire.setdefault(name, []).extend(there + back for there, back in ways)
     against = f", this checkout against {args.against}" if args.against is not None else ""
@@ -415,15 +428,18 @@ def router_hop(args: argparse.Namespace) -> int:
         print(f"\n{title}")
     hops = {}
     for index, tree in enumerate(trees):
-        direct, routed = (float(np.median(wire[f"{tree}{path}"])) for path in ("direct", "router"))
-        hops[tree.strip() or "this"] = routed - direct
-        print(f"\n{tree or ''}client -> broker -> client (the EXECUTE's way there and the FINAL's back), p50:")
-        print(f"  direct {direct:.3f} ms, through the router {routed:.3f} ms: the hop adds {routed - direct:+.3f} ms")
+        if tree in untimed:
+            print(f"\n{tree}reports no timeline: its hop on the wire is not measured, only its totals")
+        else:
+            direct, routed = (float(np.median(wire[f"{tree}{path}"])) for path in ("direct", "router"))
+            hops[tree.strip() or "this"] = routed - direct
+            print(f"\n{tree or ''}client -> broker -> client (the EXECUTE's way there and the FINAL's back), p50:")
+            print(f"  direct {direct:.3f} ms, through the router {routed:.3f} ms: the hop adds {routed - direct:+.3f} ms")
         if rows:
             direct_row, router_row = rows[2 * index], rows[2 * index + 1]
             hop, ratio = router_row[2] - direct_row[2], router_row[4] / direct_row[4]
             print(f"  router - direct: p50 {hop:+.3f} ms; {args.in_flight} in flight {ratio:.3f}x")
-    if args.against is not None:
+    if {"this", "other"} <= hops.keys():
         print(f"\nthe hop, this - other: {hops['this'] - hops['other']:+.3f} ms")
     save_json(args.json, {"rows": rows, "rates": rates, "wire_ms": wire, "hops_ms": hops, "machine": machine()})
     return 0
