@@ -434,7 +434,8 @@ def router_hop(args: argparse.Namespace) -> int:
             direct, routed = (float(np.median(wire[f"{tree}{path}"])) for path in ("direct", "router"))
             hops[tree.strip() or "this"] = routed - direct
             print(f"\n{tree or ''}client -> broker -> client (the EXECUTE's way there and the FINAL's back), p50:")
-            print(f"  direct {direct:.3f} ms, through the router {routed:.3f} ms: the hop adds {routed - direct:+.3f} ms")
+            added = routed - direct
+            print(f"  direct {direct:.3f} ms, through the router {routed:.3f} ms: the hop adds {added:+.3f} ms")
         if rows:
             direct_row, router_row = rows[2 * index], rows[2 * index + 1]
             hop, ratio = router_row[2] - direct_row[2], router_row[4] / direct_row[4]
