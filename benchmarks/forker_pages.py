@@ -14,7 +14,9 @@ its own writes (``benchmarks/RESULTS.md``, "The forker's page-table entries on t
 changed while N more programs ran (each write after a fork copies the page), by mapping and by
 2 MiB region, each with the 8-byte words that differ (``/proc/PID/pagemap`` and ``/proc/PID/mem``,
 read from outside: the forker is not dumpable, so this needs root). A page copied with no word
-changed was written back as it was: a reference count raised and lowered again.
+changed was written back as it was: a reference count raised and lowered again. The forker's
+writable pages are held in memory meanwhile, to compare: as much as it has resident (hundreds of
+MiB where torch is preloaded).
 """
 
 from __future__ import annotations
@@ -23,9 +25,7 @@ import argparse
 import collections
 import os
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +33,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import constant_program, machine
+from benchmarks.common import broker, constant_program, machine
 from kcoral import Client
-from kcoral.testing import free_port
 
 PAGE = 4096
 HUGE_SHIFT = 21  # a 2 MiB region
@@ -143,19 +142,7 @@ def main() -> int:
     parser.add_argument("--writes", type=int, default=0, metavar="N")
     parser.add_argument("--broker-flags", default="", help="more flags for kcoral broker (quoted)")
     args = parser.parse_args()
-    url = f"tcp://127.0.0.1:{free_port()}"
-    work = Path(tempfile.mkdtemp(prefix="kcoral-forker-pages-"))
-    command = [sys.executable, "-m", "kcoral", "broker", "--listen", url, "--device", "cpu", "--workers", "1"]
-    with open(work / "broker.log", "wb") as log:
-        broker = subprocess.Popen([*command, *args.broker_flags.split()], cwd=work, stdout=log, stderr=log)
-    try:
-        for _ in range(180):
-            ready = subprocess.run([sys.executable, "-m", "kcoral", "status", url, "--ready"], capture_output=True)
-            if ready.returncode == 0:
-                break
-            time.sleep(1)
-        else:
-            sys.exit(f"the broker did not get ready: {work / 'broker.log'}")
+    with broker("--device", "cpu", "--workers", "1", *args.broker_flags.split()) as (url, process):
         done = 0
         with Client(url) as client:
             for checkpoint in [c for c in CHECKPOINTS if c <= args.programs] if not args.writes else [20]:
@@ -164,17 +151,14 @@ def main() -> int:
                     assert result.completed, result.error
                     done += 1
                 time.sleep(0.3)  # the spare forked after the last program
-                counts = {name: page_tables(pid) for name, pid in slot_processes(broker.pid).items()}
+                counts = {name: page_tables(pid) for name, pid in slot_processes(process.pid).items()}
                 shown = "  ".join(f"{name} small {small} huge {huge}" for name, (small, huge) in counts.items())
                 print(f"after {done:5d} programs: {shown}", flush=True)
         if args.writes:
-            forker = slot_processes(broker.pid).get("kcoral-forker")
+            forker = slot_processes(process.pid).get("kcoral-forker")
             if forker is None:
                 sys.exit("the slot has no forker (yet): nothing to watch")
             writes(url, forker, args.writes)
-    finally:
-        broker.terminate()
-        broker.wait(30)
     return 0
 
 

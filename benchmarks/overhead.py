@@ -396,11 +396,13 @@ def router_hop(args: argparse.Namespace) -> int:
     (of this checkout, and with ``--against`` of the one at DIR too)."""
     trees = {"": None} if args.against is None else {"other ": args.against.resolve(), "this ": THIS_CHECKOUT}
     urls: dict[str, str] = {}
+    tree_of: dict[str, str] = {}  # each path's tree, by the path's name
     wire: dict[str, list[float]] = {}  # client -> broker and back, per program
     with contextlib.ExitStack() as stack:
         for tree, checkout in trees.items():
             routed, direct = stack.enter_context(routed_broker(*args.broker_flags.split(), checkout=checkout))
             urls.update({f"{tree}direct": direct, f"{tree}router": routed})
+            tree_of.update({f"{tree}direct": tree, f"{tree}router": tree})
         rows: list[list[Any]] = []
         rates: dict[str, list[float]] = {}
         if not args.wire_only:
@@ -410,13 +412,12 @@ def router_hop(args: argparse.Namespace) -> int:
         # A tree older than the timelines (the issue's reference, say) has its totals only.
         untimed: set[str] = set()
         for name in in_turn(list(urls), args.rounds):
-            tree = name.rpartition(" ")[0] + " " if " " in name else ""
-            if tree in untimed:
+            if tree_of[name] in untimed:
                 continue
             try:
                 samples = phases(urls[name], max(1, args.requests // args.rounds))
             except NoTimeline:
-                untimed.add(tree)
+                untimed.add(tree_of[name])
                 continue
             ways = zip(samples["client -> broker (EXECUTE read)"], samples["broker -> client (FINAL read)"])
             wire.setdefault(name, []).extend(there + back for there, back in ways)
@@ -432,9 +433,8 @@ def router_hop(args: argparse.Namespace) -> int:
             print(f"\n{tree}reports no timeline: its hop on the wire is not measured, only its totals")
         else:
             direct, routed = (float(np.median(wire[f"{tree}{path}"])) for path in ("direct", "router"))
-            hops[tree.strip() or "this"] = routed - direct
+            added = hops[tree.strip() or "this"] = routed - direct
             print(f"\n{tree or ''}client -> broker -> client (the EXECUTE's way there and the FINAL's back), p50:")
-            added = routed - direct
             print(f"  direct {direct:.3f} ms, through the router {routed:.3f} ms: the hop adds {added:+.3f} ms")
         if rows:
             direct_row, router_row = rows[2 * index], rows[2 * index + 1]
