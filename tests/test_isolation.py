@@ -26,7 +26,8 @@ import pytest
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.cli import EXIT_CONFIG
 from kcoral.sandbox.bubblewrap import BLOBS, WORKSPACE, SandboxUnavailable, check_bwrap
-from kcoral.worker.run_directory import READY_NAME, SUBDIRECTORIES
+from kcoral.worker.capture import OUTPUT_FILES
+from kcoral.worker.run_directory import OUTPUT_DIRECTORY, READY_NAME, SUBDIRECTORIES
 from tests.helpers import RunningBroker, free_port, start_broker
 
 try:
@@ -153,8 +154,9 @@ class Sandboxed:
 
 
 def ready_leftovers(ready: Path) -> list[str]:
-    """What the next worker's run directory holds beyond its four empty directories (it is part of
-    a clean slot: kcoral.worker.run_directory)."""
+    """What the next worker's run directory holds beyond its four directories, empty but for the
+    two empty output files the zygote makes ahead (it is part of a clean slot:
+    kcoral.worker.run_directory, kcoral.worker.capture.prepare_output_files)."""
     if not ready.exists():
         return []
     if ready.is_symlink() or not ready.is_dir():
@@ -165,8 +167,16 @@ def ready_leftovers(ready: Path) -> list[str]:
         for name in SUBDIRECTORIES
         if (ready / name).is_dir()
         for p in (ready / name).iterdir()
+        if not _made_ahead(p)
     ]
     return sorted(left)
+
+
+def _made_ahead(path: Path) -> bool:
+    """An output file as the zygote makes it for the next worker: regular, empty."""
+    if path.parent.name != OUTPUT_DIRECTORY or path.name not in OUTPUT_FILES or path.is_symlink():
+        return False
+    return path.is_file() and path.stat().st_size == 0
 
 
 def start_sandboxed(root: Path, *extra: str) -> Sandboxed:

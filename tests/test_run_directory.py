@@ -6,6 +6,7 @@ did to them that cannot be put back gets it new directories instead."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kcoral.worker import run_directory
-from kcoral.worker.run_directory import READY_NAME, SUBDIRECTORIES, RunDirectory
+from kcoral.worker.capture import OUTPUT_FILE_MODE, OUTPUT_FILES, OutputCapture, prepare_output_files
+from kcoral.worker.run_directory import OUTPUT_DIRECTORY, READY_NAME, SUBDIRECTORIES, RunDirectory
 
 FS_NODUMP_FL = 0x40  # chattr +d: an inode flag a file's owner may set
 
@@ -157,3 +159,49 @@ def test_a_directory_the_program_replaced_or_grew_is_not_handed_on(tmp_path: Pat
     assert keeper.kept is None
     keeper.make(tmp_path / "second" / READY_NAME)
     assert os.lstat(work).st_size == os.lstat(tmp_path / "second" / READY_NAME / "home").st_size  # made anew
+
+
+def test_a_taken_directory_missing_a_subdirectory_gets_it_and_a_file_in_its_place_fails(tmp_path: Path) -> None:
+    keeper = RunDirectory(tmp_path, take_ready=False)
+    keeper.make(tmp_path / READY_NAME)
+    os.rmdir(tmp_path / READY_NAME / "tmp")
+    RunDirectory(tmp_path).make(tmp_path / "run-a", keep=False)
+    assert sorted(os.listdir(tmp_path / "run-a")) == sorted(SUBDIRECTORIES)
+
+    os.rename(tmp_path / "run-a", tmp_path / READY_NAME)
+    os.rmdir(tmp_path / READY_NAME / "home")
+    (tmp_path / READY_NAME / "home").write_text("not a directory")
+    with pytest.raises(FileExistsError):
+        RunDirectory(tmp_path).make(tmp_path / "run-b", keep=False)
+
+
+def test_output_files_made_ahead_hold_only_what_the_program_writes(tmp_path: Path) -> None:
+    ready = tmp_path / READY_NAME / OUTPUT_DIRECTORY
+    ready.mkdir(parents=True)
+    prepare_output_files(ready)
+    assert sorted(os.listdir(ready)) == sorted(OUTPUT_FILES)
+    assert all(stat.S_IMODE(os.lstat(ready / name).st_mode) == OUTPUT_FILE_MODE for name in OUTPUT_FILES)
+    (ready / OUTPUT_FILES[0]).write_text("stale, from before")
+    # In a child: the capture takes fds 1 and 2 (and leaves them on /dev/null), which this test
+    # process's runner needs.
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(reader)
+            capture = OutputCapture(ready, limit=10)
+            with capture:
+                os.write(1, b"fresh")
+                os.write(2, b"0123456789abc")
+            output = capture.read()
+            report = [output.stdout, output.stdout_truncated, output.stderr, output.stderr_truncated]
+            os.write(writer, json.dumps(report).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        report = json.loads(pipe.read() or b"null")
+    assert os.waitpid(pid, 0)[1] == 0
+    assert report == ["fresh", False, "0123456789", True]

@@ -29,7 +29,7 @@ from typing import Any
 
 from kcoral import protocol
 from kcoral.worker import processes
-from kcoral.worker.capture import OutputCapture
+from kcoral.worker.capture import OutputCapture, rehearse_following
 from kcoral.worker.interpreter import Interpreter
 from kcoral.worker.lease import LeaseChannel
 from kcoral.worker.result_bounds import bounded_result
@@ -71,9 +71,13 @@ def rehearse(claims: Callable[[], dict[str, Any]]) -> bool:
         result["provenance"] = claims()
         bounded_result(result, interpreter.frames)
         threading.enumerate()
-        # The paths a program's run is given (computed only: nothing is made) and a generator's
-        # context manager, as the output follower's is entered and left around every program.
-        OutputCapture(Path(os.devnull) / f"run-{REHEARSAL_ID}" / "output", protocol.DEFAULT_OUTPUT_LIMIT_BYTES)
+        # The paths a program's run is given (computed only: nothing is made), its output's follow
+        # job (made and closed: no file is opened) and a generator's context manager, as the
+        # output follower's is entered and left around every program.
+        capture = OutputCapture(
+            Path(os.devnull) / f"run-{REHEARSAL_ID}" / "output", protocol.DEFAULT_OUTPUT_LIMIT_BYTES
+        )
+        rehearse_following(capture)
         with _nothing():
             pass
         _same_environment()

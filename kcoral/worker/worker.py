@@ -33,7 +33,7 @@ from kcoral.worker.interpreter import Interpreter, describe_exception
 from kcoral.worker.lease import LeaseChannel
 from kcoral.worker.rehearsal import rehearse
 from kcoral.worker.result_bounds import bounded_result, failed_body
-from kcoral.worker.run_directory import RunDirectory
+from kcoral.worker.run_directory import OUTPUT_DIRECTORY, RunDirectory
 from kcoral.worker.state import ProcessState, cuda_view_mismatch
 
 # How long a worker waits for the broker before it takes the broker for gone.
@@ -114,7 +114,7 @@ def execute_program(
     lease = LeaseChannel(socket, request_id, gpu_ids, socket_lock, request.get("grant"))
     interpreter = Interpreter(request, blobs, run_dir, lease, progress)
     interpreter.max_response_bytes = int(request.get("max_response_bytes", protocol.DEFAULT_MAX_RESPONSE_BYTES))
-    capture = OutputCapture(run_dir / "output", output_limit)
+    capture = OutputCapture(run_dir / OUTPUT_DIRECTORY, output_limit)
     following: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if follow_output is not None:
         output_follower = output_follower or OutputFollower()

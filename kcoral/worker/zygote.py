@@ -58,6 +58,7 @@ from kcoral.protocol.zygote_link import (
     zygote_event_line,
 )
 from kcoral.worker import handover, huge_pages, limits, processes, workspace
+from kcoral.worker.capture import prepare_output_files
 from kcoral.worker.children import (
     FIRST_INHERITED_FD,
     PARENT_DEATH_SIGNAL,
@@ -73,7 +74,7 @@ from kcoral.worker.children import (
 )
 from kcoral.worker.forker import FORKER_READY_SECONDS, Forker, ForkRequest
 from kcoral.worker.memory_cgroup import WorkerCgroup, WorkerCgroupPool
-from kcoral.worker.run_directory import READY_NAME, RunDirectory
+from kcoral.worker.run_directory import OUTPUT_DIRECTORY, READY_NAME, RunDirectory
 from kcoral.worker.watchdog import WATCH_INTERVAL_SECONDS, Watchdog
 
 FAST_EXIT_SECONDS = 1.0
@@ -217,6 +218,8 @@ class Zygote:
                 self.runs.make(self.settings.workspace / READY_NAME)
             except OSError:  # a full disk, say: the next worker makes its own, as before
                 self.wipe_workspace()
+            else:
+                prepare_output_files(self.settings.workspace / READY_NAME / OUTPUT_DIRECTORY)
         if self.cgroups is not None:
             self.cgroups.remove_leftovers({c.cgroup.name for c in self.children() if c.cgroup is not None})
         if self.private_ipc:
