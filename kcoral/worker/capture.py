@@ -32,9 +32,10 @@ READ_PIECE_BYTES = 1 << 20  # the output read back a piece at a time: no buffer 
 def prepare_output_files(directory: Path) -> None:
     """Make the empty output files in ``directory`` ahead of the program that will write them (the
     zygote, for its next worker's run directory): creating two files on the program's path cost a
-    fresh worker 0.18 ms of its constant program on the 2-core VM (ext4), opening them made 0.01 ms
-    (``benchmarks/RESULTS.md``, "A fresh worker's program path trimmed"). The capture truncates them as it opens
-    them, and makes any that are missing, so a failure here costs only that."""
+    fresh worker 0.18 ms of its constant program on the 2-core VM (ext4), opening them once made
+    0.01 ms (``benchmarks/RESULTS.md``, "A fresh worker's program path trimmed"). The capture
+    truncates them as it opens them, and makes any that are missing, so a failure here costs only
+    that."""
     for name in OUTPUT_FILES:
         with contextlib.suppress(OSError):
             os.close(os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, OUTPUT_FILE_MODE))
