@@ -49,6 +49,19 @@ def idle_driver() -> str:
     return f"{driver}: {', '.join(states) or 'no states'}"
 
 
+def timed_trips(trip: Callable[[], None], trips: int, pause_s: float) -> list[float]:
+    """Microseconds of each of ``trips`` round trips, after WARMUP_TRIPS untimed ones, with a
+    pause of ``pause_s`` after each (the other side goes to sleep meanwhile)."""
+    samples = []
+    for i in range(trips + WARMUP_TRIPS):
+        start = time.perf_counter_ns()
+        trip()
+        if i >= WARMUP_TRIPS:
+            samples.append((time.perf_counter_ns() - start) / 1000)
+        time.sleep(pause_s)
+    return samples
+
+
 def pipe_trips(trips: int, pause_s: float) -> list[float]:
     there_read, there_write = os.pipe()
     back_read, back_write = os.pipe()
@@ -60,20 +73,17 @@ def pipe_trips(trips: int, pause_s: float) -> list[float]:
                 os.write(back_write, b"x")
         finally:
             os._exit(0)
-    samples = []
+
+    def trip() -> None:
+        os.write(there_write, b"x")
+        os.read(back_read, 1)
+
     try:
-        for i in range(trips + WARMUP_TRIPS):
-            start = time.perf_counter_ns()
-            os.write(there_write, b"x")
-            os.read(back_read, 1)
-            if i >= WARMUP_TRIPS:
-                samples.append((time.perf_counter_ns() - start) / 1000)
-            time.sleep(pause_s)
+        return timed_trips(trip, trips, pause_s)
     finally:
         os.waitpid(pid, 0)
         for descriptor in (there_read, there_write, back_read, back_write):
             os.close(descriptor)
-    return samples
 
 
 def zmq_trips(trips: int, pause_s: float, endpoint: str) -> list[float]:
@@ -92,22 +102,20 @@ def zmq_trips(trips: int, pause_s: float, endpoint: str) -> list[float]:
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.bind(endpoint)
-    samples = []
+    message = b"x" * 200
+
+    def trip() -> None:
+        sock.send(message)
+        sock.recv()
+
     try:
         sock.send(b"hello")  # the connection made before any trip is timed
         sock.recv()
-        for i in range(trips + WARMUP_TRIPS):
-            start = time.perf_counter_ns()
-            sock.send(b"x" * 200)
-            sock.recv()
-            if i >= WARMUP_TRIPS:
-                samples.append((time.perf_counter_ns() - start) / 1000)
-            time.sleep(pause_s)
+        return timed_trips(trip, trips, pause_s)
     finally:
         os.waitpid(pid, 0)
         sock.close(linger=0)
         context.term()
-    return samples
 
 
 def quantiles_us(samples: list[float]) -> dict[str, float]:
@@ -151,13 +159,14 @@ def main() -> int:
                     stats = quantiles_us(trips())
                     results[label] = stats
                     rows.append([label, stats["p50"], stats["p90"], stats["p99"]])
-    print(f"CPU idle driver: {idle_driver()}")
+    driver = idle_driver()
+    print(f"CPU idle driver: {driver}")
     print_table(
         f"Round trips between two processes ({machine()}, {args.trips} each, {args.pause_ms} ms apart)",
         ["way", "p50 us", "p90 us", "p99 us"],
         rows,
     )
-    save_json(args.json, {"machine": machine(), "idle_driver": idle_driver(), "round_trips_us": results})
+    save_json(args.json, {"machine": machine(), "idle_driver": driver, "round_trips_us": results})
     return 0
 
 
