@@ -34,6 +34,7 @@ be made as glibc makes it (an architecture not listed below, a kernel without
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import json
@@ -106,6 +107,13 @@ class ParentClone:
         libc = ctypes.PyDLL(None, use_errno=True)  # the GIL stays held: the child goes on holding it
         self._syscall = libc.syscall
         self._syscall.restype = ctypes.c_long
+        # The clone's arguments, made once: each fork of the forker's loop allocates (and so
+        # writes) as little as it can (see _serve).
+        flags = CLONE_PARENT | CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | signal.SIGCHLD
+        tid = ctypes.c_void_p(tid_address)
+        null = ctypes.c_void_p(0)
+        last = (null, tid) if syscalls.tls_before_child_tid else (tid, null)
+        self._arguments = (ctypes.c_long(syscalls.clone), ctypes.c_ulong(flags), null, null, *last)
 
     @classmethod
     def of_this_process(cls) -> ParentClone | None:
@@ -127,12 +135,8 @@ class ParentClone:
 
     def clone(self) -> int:
         """The child's pid in the parent (the forker), 0 in the child; OSError where it failed."""
-        flags = CLONE_PARENT | CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | signal.SIGCHLD
-        tid = ctypes.c_void_p(self.tid_address)
-        null = ctypes.c_void_p(0)
-        last = (null, tid) if self.syscalls.tls_before_child_tid else (tid, null)
         ctypes.pythonapi.PyOS_BeforeFork()
-        pid = self._syscall(ctypes.c_long(self.syscalls.clone), ctypes.c_ulong(flags), null, null, *last)
+        pid = self._syscall(*self._arguments)
         if pid == 0:
             if self.robust_head:
                 self._syscall(
@@ -248,29 +252,52 @@ def _serve(link: socket.socket, zygote_pid: int, start_worker: WorkerStart) -> N
         link.send(READY)
     except OSError:
         return
+    # Between two forks the loop writes into the memory it shares with the live workers, and each
+    # write into a huge page splits that page's mapping for good (the module's docstring). So the
+    # request is read into one buffer and decoded only in the child, and the parent allocates
+    # only what the socket calls return: the same few pages each time.
+    buffer = bytearray(REQUEST_BYTES)
+    space = socket.CMSG_SPACE(MAX_DESCRIPTORS * array.array("i").itemsize)
     while True:
         try:
-            data, descriptors, _, _ = socket.recv_fds(link, REQUEST_BYTES, MAX_DESCRIPTORS)
+            size, ancillary, _, _ = link.recvmsg_into((buffer,), space)
         except OSError:
             return
-        if not data:
+        if not size:
             return
+        descriptors = _descriptors(ancillary)
         try:
-            request = ForkRequest.decode(data)
-            named = dict(zip(request.descriptors, descriptors, strict=True))
             pid = clone.clone()
-        except (ValueError, KeyError, TypeError, OSError):
+        except OSError:
             pid = -1
-            named = {}
         if pid == 0:
-            start_worker(request, named)  # never returns
-            os._exit(1)
+            _start_child(bytes(buffer[:size]), descriptors, start_worker)  # never returns
         for descriptor in descriptors:
             os.close(descriptor)
         try:
             link.send(str(pid).encode() if pid > 0 else b"failed")
         except OSError:
             return
+
+
+def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors passed in ``recvmsg``'s ancillary data (as ``socket.recv_fds`` reads them)."""
+    found = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            found.frombytes(data[: len(data) - len(data) % found.itemsize])
+    return found.tolist()
+
+
+def _start_child(request: bytes, descriptors: list[int], start_worker: WorkerStart) -> None:
+    """In the forker's child: its request decoded, the worker started; never returns."""
+    try:
+        decoded = ForkRequest.decode(request)
+        named = dict(zip(decoded.descriptors, descriptors, strict=True))
+    except (ValueError, KeyError, TypeError):
+        os._exit(1)
+    start_worker(decoded, named)
+    os._exit(1)
 
 
 def _handled_signals() -> list[signal.Signals]:
