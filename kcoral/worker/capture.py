@@ -169,6 +169,17 @@ def rehearse_following(capture: OutputCapture) -> None:
     _FollowJob(capture, _send_nothing).close()
 
 
+def rehearse_capture(limit: int) -> None:
+    """The steps of a capture that change nothing, as a program's run takes them, on ``/dev/null``
+    (no descriptor is redirected, no file of the workspace is opened): Python's streams flushed,
+    the output's directory looked at, an output read back. For a spare's rehearsal, as
+    :func:`rehearse_following`."""
+    capture = OutputCapture(Path(os.devnull), limit)
+    _flush_python_streams()
+    capture.directory.is_dir()
+    capture._read(capture.directory)
+
+
 def _send_nothing(stream: str, offset: int, text: str) -> None:
     pass
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import psutil
 
+PR_GET_DUMPABLE = 3
 PR_SET_DUMPABLE = 4
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -59,6 +60,20 @@ def set_child_subreaper() -> None:
 def set_dumpable(dumpable: bool) -> None:
     """A non-dumpable process's /proc/<pid>/mem cannot be opened by processes of the same user."""
     _prctl(PR_SET_DUMPABLE, int(dumpable))
+
+
+def is_dumpable() -> bool:
+    """Whether this process is dumpable now (see :func:`set_dumpable`)."""
+    return bool(_prctl(PR_GET_DUMPABLE, 0))
+
+
+def thread_ids() -> frozenset[int] | None:
+    """Every thread of this process now, by the kernel's ids (threads started in C as well as
+    Python's); None where ``/proc`` cannot be read."""
+    try:
+        return frozenset(int(name) for name in os.listdir("/proc/self/task"))
+    except (OSError, ValueError):
+        return None
 
 
 def set_parent_death_signal(sig: int) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 from kcoral import protocol
 from kcoral.worker import processes
-from kcoral.worker.capture import OutputCapture, rehearse_following
+from kcoral.worker.capture import OutputCapture, rehearse_capture, rehearse_following
 from kcoral.worker.interpreter import Interpreter
 from kcoral.worker.lease import LeaseChannel
 from kcoral.worker.result_bounds import bounded_result
@@ -78,10 +78,18 @@ def rehearse(claims: Callable[[], dict[str, Any]]) -> bool:
             Path(os.devnull) / f"run-{REHEARSAL_ID}" / "output", protocol.DEFAULT_OUTPUT_LIMIT_BYTES
         )
         rehearse_following(capture)
+        rehearse_capture(protocol.DEFAULT_OUTPUT_LIMIT_BYTES)
         with _nothing():
             pass
         _same_environment()
-        processes.descendants(os.getpid(), processes.WALK_MOST)
+        if not processes.descendants(os.getpid(), processes.WALK_MOST):
+            # What a program leaves running is killed after it. A spare has started nothing: the
+            # same walk finds no process and kills none (and where one is found, it is not made).
+            processes.kill_descendants(os.getpid())
+        # Read only: the threads before and after a program, and the call that makes the worker
+        # dumpable once its program is there (its state read, not changed).
+        processes.thread_ids()
+        processes.is_dumpable()
     except Exception:  # a rehearsal that fails costs only its speed-up
         return False
     return command == protocol.PROGRAM and error is None and interpreter.results.get("v") is not None

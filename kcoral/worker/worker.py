@@ -289,7 +289,7 @@ def run_worker(settings: WorkerSettings) -> int:
             # use; not before, while a spare beside the previous program (see the zygote).
             processes.set_dumpable(True)
             wipe_later: list[Callable[[], None]] = []
-            threads_before = thread_ids()
+            threads_before = processes.thread_ids()
             try:
                 outcome = _execute_message(body, data, settings, socket, wipe_later, directories, follower)
             except Exception as exc:  # a bug of ours, or a program that broke the worker's own state
@@ -329,7 +329,7 @@ def run_worker(settings: WorkerSettings) -> int:
             message = [protocol.VERSION, protocol.RESULT, packed, *frames]
             # The worker's own socket where no thread but the worker's is left (none of the
             # program's can use it then), else a connection of its own (_send_result).
-            threads_after = thread_ids()
+            threads_after = processes.thread_ids()
             alone = threads_before is not None and threads_after is not None and threads_after <= threads_before
             on_own = _send_result(results, settings, done, message, wait=not reusable, own=socket if alone else None)
             done += 1
@@ -346,15 +346,6 @@ def run_worker(settings: WorkerSettings) -> int:
         # dropped, not waited for.
         socket.close(linger=0)
         context.term()
-
-
-def thread_ids() -> frozenset[int] | None:
-    """Every thread of this process now, by the kernel's ids (threads started in C as well as
-    Python's); None where ``/proc`` cannot be read."""
-    try:
-        return frozenset(int(name) for name in os.listdir("/proc/self/task"))
-    except (OSError, ValueError):
-        return None
 
 
 def _send_result(
