@@ -1,8 +1,15 @@
 """Client: the blocking client, ``with Client(url) as client: client.execute(program)``.
 
-It drives an :class:`~kcoral.client.client.AsyncClient` on a private event loop in a background
-thread, so both share one implementation; what it adds is the caller's side of blocking: a status
-line on a terminal while it waits, and Ctrl-C that cancels the program on the service.
+It drives an :class:`~kcoral.client.client.AsyncClient` on a private event loop, so both share one
+implementation; what it adds is the caller's side of blocking: a status line on a terminal while it
+waits, and Ctrl-C that cancels the program on the service.
+
+The loop runs in the calling thread, only while a call is in progress: handing each call to a loop
+on a thread of its own and its answer back cost 0.07 to 0.09 ms of a constant program's round trip
+(two threads woken; ``benchmarks/RESULTS.md``, "The loop's socket events as ints"). Calls made from
+other threads meanwhile join the call in progress: the thread driving the loop goes on until every
+call is answered. A caller whose thread already runs an event loop (a notebook's) cannot run
+another there: a helper thread drives the loop for it, as all calls were driven before.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
@@ -23,6 +31,7 @@ from kcoral.keys import ClientKeys
 
 T = TypeVar("T")
 PROGRESS_TICK_SECONDS = 0.5  # how often a progress line on a terminal redraws its clock
+CLOSE_SECONDS = 10.0  # the most close() waits for the connection to end and the loop to stop
 
 
 class Client:
@@ -50,7 +59,12 @@ class Client:
         self.show_output = show_output
         self.output_shown = {"stdout": 0, "stderr": 0}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        # Who drives the loop: ``_driving`` while a thread runs it, ``_calls`` the calls not yet
+        # answered (see the module's docstring); ``_settled`` wakes the driver as each ends.
+        self._state = threading.Condition()
+        self._driving = False
+        self._calls = 0
+        self._settled: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
@@ -70,10 +84,8 @@ class Client:
     def open(self) -> None:
         if self._loop is not None:
             return
-        loop = _new_loop()
-        thread = threading.Thread(target=loop.run_forever, name="kcoral-client", daemon=True)
-        thread.start()
-        self._loop, self._thread = loop, thread
+        self._loop = _new_loop()
+        self._settled = asyncio.Event()  # bound to the loop when first awaited there
         try:
             self._call(self._async.open())
         except BaseException:
@@ -82,14 +94,15 @@ class Client:
 
     def close(self) -> None:
         """Close the connection; idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+        loop = self._loop
+        if loop is None:
             return
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self._async.aclose(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+            self._call(asyncio.wait_for(self._async.aclose(), CLOSE_SECONDS))
+        with self._state:
+            driven_still = not self._state.wait_for(lambda: not self._driving, CLOSE_SECONDS)
+        if not driven_still:  # a loop still running (a call that would not end) is left to its thread
+            loop.close()
         self._loop = None
 
     def execute(
@@ -130,18 +143,103 @@ class Client:
         return self._call(self._async.target())
 
     def _call(self, coroutine: Coroutine[Any, Any, T], *, tick: Callable[[], None] | None = None) -> T:
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             coroutine.close()
             raise RuntimeError("the client is not open: use it as a context manager")
-        finished = threading.Event()
+        in_a_loop = _loop_runs_here()
+        with self._state:
+            self._calls += 1
+            lead = not self._driving
+            self._driving = True
+        counted = self._counted(coroutine)
+        if lead and not in_a_loop:
+            return self._drive(loop, counted, tick)
+        future = asyncio.run_coroutine_threadsafe(counted, loop)
+        if lead:  # this thread runs an event loop of its own: a thread of ours drives this one
+            self._drive_on_a_thread(loop)
+        return self._wait(future, tick)
 
-        async def call() -> T:
-            try:
-                return await coroutine
-            finally:
-                finished.set()
+    async def _counted(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await coroutine
+        finally:
+            with self._state:
+                self._calls -= 1
+            assert self._settled is not None
+            self._settled.set()
 
-        future = asyncio.run_coroutine_threadsafe(call(), self._loop)
+    def _drive(
+        self, loop: asyncio.AbstractEventLoop, call: Coroutine[Any, Any, T], tick: Callable[[], None] | None
+    ) -> T:
+        """Run the loop in this thread until this call is answered; calls joined meanwhile and not
+        yet answered go on, on a thread of ours."""
+        task = loop.create_task(call)
+        interrupted = False
+
+        def on_interrupt(signum: int, frame: Any) -> None:
+            # Ctrl-C: the call is cancelled, which sends CANCEL for a program in flight, and
+            # KeyboardInterrupt is raised once it has; a second Ctrl-C raises it at once.
+            nonlocal interrupted
+            if interrupted:
+                raise KeyboardInterrupt
+            interrupted = True
+            loop.call_soon_threadsafe(task.cancel)
+
+        previous = _take_interrupts(on_interrupt)
+        try:
+            # The task itself where nothing ticks: a wrapper's wakeups cost a tenth of a call.
+            loop.run_until_complete(task if tick is None else _until_done(task, tick))
+        except BaseException:
+            if not task.done():  # a second Ctrl-C, or anything else out of the loop: as above, bounded
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    loop.run_until_complete(asyncio.wait([task], timeout=INTERRUPT_WAIT_SECONDS))
+                raise
+            # else the call's own exception (or its cancellation, by Ctrl-C): task.result() below
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            self._hand_over(loop)
+        if interrupted:
+            raise KeyboardInterrupt
+        return task.result()
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After driving: the calls still unanswered (other threads') to a thread of ours."""
+        with self._state:
+            self._driving = self._calls > 0
+            self._state.notify_all()
+            if not self._driving:
+                return
+        self._drive_on_a_thread(loop)
+
+    def _drive_on_a_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        thread = threading.Thread(target=self._drive_until_settled, args=(loop,), name="kcoral-client", daemon=True)
+        thread.start()
+
+    def _drive_until_settled(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the loop until no call is left; then it is nobody's to drive."""
+        while True:
+            loop.run_until_complete(self._until_settled())
+            with self._state:  # a call may have joined as the loop stopped: drive it too
+                if self._calls == 0:
+                    self._driving = False
+                    self._state.notify_all()
+                    return
+
+    async def _until_settled(self) -> None:
+        settled = self._settled
+        assert settled is not None
+        while True:
+            settled.clear()  # before the count is read: a call that ends after it sets it again
+            with self._state:
+                if self._calls == 0:
+                    return
+            await settled.wait()
+
+    def _wait(self, future: concurrent.futures.Future[T], tick: Callable[[], None] | None) -> T:
+        """The answer of a call another thread drives."""
         try:
             while tick is not None and not future.done():
                 try:
@@ -152,11 +250,38 @@ class Client:
                     tick()
             return future.result()
         except KeyboardInterrupt:
-            # Cancelling the call sends CANCEL for a program in flight; wait (briefly) until it
-            # has, so that a script that exits on Ctrl-C does not leave its program running.
+            # As in _drive: the program in flight is cancelled on the service before this returns.
             future.cancel()
-            finished.wait(INTERRUPT_WAIT_SECONDS)
+            with contextlib.suppress(BaseException):
+                concurrent.futures.wait([future], INTERRUPT_WAIT_SECONDS)
             raise
+
+
+async def _until_done(task: asyncio.Task[Any], tick: Callable[[], None] | None) -> None:
+    """Wait for ``task``; ``tick`` every PROGRESS_TICK_SECONDS meanwhile."""
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=PROGRESS_TICK_SECONDS if tick is not None else None)
+        if not done and tick is not None:
+            tick()
+
+
+def _take_interrupts(handler: Callable[[int, Any], None]) -> Any:
+    """Ctrl-C to ``handler`` while this thread drives the loop, where it would raise
+    KeyboardInterrupt (the main thread, Python's own handler); the handler it replaces, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    return signal.signal(signal.SIGINT, handler)
+
+
+def _loop_runs_here() -> bool:
+    """Whether this thread runs an event loop now (a notebook's, an async program's)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
