@@ -258,11 +258,11 @@ class Client:
             raise
 
 
-async def _until_done(task: asyncio.Task[Any], tick: Callable[[], None] | None) -> None:
+async def _until_done(task: asyncio.Task[Any], tick: Callable[[], None]) -> None:
     """Wait for ``task``; ``tick`` every PROGRESS_TICK_SECONDS meanwhile."""
     while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=PROGRESS_TICK_SECONDS if tick is not None else None)
-        if not done and tick is not None:
+        done, _ = await asyncio.wait({task}, timeout=PROGRESS_TICK_SECONDS)
+        if not done:
             tick()
 
 
