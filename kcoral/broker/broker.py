@@ -365,6 +365,9 @@ class Broker:
             blob_frames=len(frames),
             blob_paths=len(paths),
         )
+        queued = request.take_queued_partial()  # where it came straight here: after its PROGRAM
+        if queued is not None:
+            self.tell(request, queued)
         self.tell(request, {"request_id": request.id, "state": "running", "gpu_ids": list(request.gpu_ids)})
 
     def _on_timeout(self, request: Request) -> None:
@@ -393,6 +396,10 @@ class Broker:
         """Answer a request once and forget it."""
         if self.requests.pop(request.id) is None:
             return
+        now = time.monotonic()
+        # First: the client waits for it, and nothing below changes it (this handler runs to its
+        # end before the client's next message is read).
+        self.shell.reply(request.client, protocol.FINAL, body, *frames)
         if request.timer is not None:
             request.timer.cancel()
         if request.lease_task is not None:
@@ -403,9 +410,7 @@ class Broker:
         self.intake.forget(request)
         if request.state == RequestState.QUEUED:
             self.queue.remove(request)
-        now = time.monotonic()
         request.state = RequestState.DONE
-        self.shell.reply(request.client, protocol.FINAL, body, *frames)  # first: the client waits for it
         result = body.get("result") or {}
         ran = request.started_at and request.queued_at
         self.metrics.program_finished(

@@ -337,8 +337,13 @@ class ProgramIntake:
         ahead = sum(1 for r in self.requests if r.state == RequestState.QUEUED)  # for a client's progress line
         request.state = RequestState.QUEUED
         request.queued_at = time.monotonic()
-        self.port.tell(request, {"request_id": request.id, "state": "queued", "position": ahead})
+        request.untold_position = ahead
         self.port.enqueue(request)
+        # Told now where no worker took it at once (one that did was told after its PROGRAM went);
+        # not where its start found a blob lost and asked for it again (need_blobs instead).
+        queued = request.take_queued_partial()
+        if queued is not None and request.state == RequestState.QUEUED and self.requests.get(request.id) is request:
+            self.port.tell(request, queued)
 
     def worker_blobs(self, request: Request) -> tuple[list[str], list[memoryview], dict[str, str]]:
         """How the worker gets each blob: (digests sent as frames, those frames, digest -> path).

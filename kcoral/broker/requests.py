@@ -71,9 +71,21 @@ class Request:
     # Who the program belongs to for fair share: the client's CURVE key, or its connection
     # (kcoral.service.auth.peer_identity); ``client`` is the connection its answers go to.
     owner: bytes = b""
+    # The ``queued`` PARTIAL's position until it is sent: after the PROGRAM where the program goes
+    # to a worker at once (Broker._start), so that the worker does not wait for a message to its
+    # client; before the ``running`` one all the same.
+    untold_position: int | None = None
 
     def __post_init__(self) -> None:
         self.owner = self.owner or self.client
+
+    def take_queued_partial(self) -> dict[str, Any] | None:
+        """The ``queued`` PARTIAL's body where it is still to be sent (once), else None."""
+        if self.untold_position is None:
+            return None
+        body = {"request_id": self.id, "state": "queued", "position": self.untold_position}
+        self.untold_position = None
+        return body
 
     def timeline(self, result_at: float) -> dict[str, float]:
         """The result's ``timeline``: wall-clock times (seconds since the epoch) of the program's way
