@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kcoral import Client, Program, TransportError
+from kcoral import AsyncClient, Client, Program, TransportError
 from tests.helpers import RunningBroker, start_broker
 
 NAP = "def nap(s, v):\n    import time\n    time.sleep(s)\n    return v\n"
@@ -61,3 +61,17 @@ def test_a_client_closed_while_another_thread_waits_ends_that_call(broker: Runni
         client.close()
         with pytest.raises(TransportError, match="the client was closed"):
             waiting.result(timeout=15)
+
+
+def test_a_program_started_at_once_is_told_queued_then_running(broker: RunningBroker) -> None:
+    # The broker sends `queued` after the PROGRAM where a worker takes the program at once (the
+    # worker does not wait for it), and still before `running`.
+    async def states() -> list[str]:
+        events: list[str] = []
+        async with AsyncClient(broker.url) as client:
+            for i in range(5):
+                await client.execute(napping(0, i), on_progress=lambda event: events.append(event.state))
+        return events
+
+    events = asyncio.run(states())
+    assert [e for e in events if e in ("queued", "running")] == ["queued", "running"] * 5

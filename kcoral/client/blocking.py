@@ -15,6 +15,7 @@ the loop for it.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # signal's own functions, without its enums: see below
 import asyncio
 import concurrent.futures
 import contextlib
@@ -153,22 +154,36 @@ class Client:
             self._calls += 1
             lead = not self._driving
             self._driving = True
-        counted = self._counted(coroutine)
         if lead and not in_a_loop:
-            return self._drive(loop, counted, tick)
-        future = asyncio.run_coroutine_threadsafe(counted, loop)
+            return self._drive(loop, self._counted(coroutine), tick)
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        # Counted out once its answer is in the future, not when its coroutine returns: a loop
+        # stopped in between (its driver's own call answered) would leave the answer unset, with
+        # no call left to drive the loop on.
+        future.add_done_callback(lambda _: self._settle(loop))
         if lead:  # this thread runs an event loop of its own: a thread of ours drives this one
             self._drive_on_a_thread(loop)
         return self._wait(future, tick)
 
     async def _counted(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """The call of the thread that drives the loop, counted out as it returns."""
         try:
             return await coroutine
         finally:
-            with self._state:
-                self._calls -= 1
-            assert self._settled is not None
-            self._settled.set()
+            self._settle(None)
+
+    def _settle(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """A call is answered; ``loop``: where it is told from outside the loop (a joined call's
+        future, done in the loop's thread or cancelled in its caller's)."""
+        with self._state:
+            self._calls -= 1
+        settled = self._settled
+        assert settled is not None
+        if loop is None:
+            settled.set()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits on it
+            loop.call_soon_threadsafe(settled.set)
 
     def _drive(
         self, loop: asyncio.AbstractEventLoop, call: Coroutine[Any, Any, T], tick: Callable[[], None] | None
@@ -200,7 +215,7 @@ class Client:
             # else the call's own exception (or its cancellation, by Ctrl-C): task.result() below
         finally:
             if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+                _signal.signal(SIGINT, previous)
             self._hand_over(loop)
         if interrupted:
             raise KeyboardInterrupt
@@ -266,14 +281,19 @@ async def _until_done(task: asyncio.Task[Any], tick: Callable[[], None]) -> None
             tick()
 
 
+# Ctrl-C's handler is swapped twice a call: through ``_signal``, which ``signal`` wraps to turn
+# its ints into enums (0.013 ms a call on the 2-core VM, most of it a ValueError caught there).
+SIGINT = int(signal.SIGINT)
+
+
 def _take_interrupts(handler: Callable[[int, Any], None]) -> Any:
     """Ctrl-C to ``handler`` while this thread drives the loop, where it would raise
     KeyboardInterrupt (the main thread, Python's own handler); the handler it replaces, or None."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if _signal.getsignal(SIGINT) is not signal.default_int_handler:
         return None
-    return signal.signal(signal.SIGINT, handler)
+    return _signal.signal(SIGINT, handler)
 
 
 def _loop_runs_here() -> bool:
@@ -286,15 +306,12 @@ def _loop_runs_here() -> bool:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    """The client's own event loop: uvloop's where it is installed, else asyncio's. On a thread of its
-    own uvloop's handed a call over and its reply back in less time (``benchmarks/RESULTS.md``, "The
-    loop's own sockets"); run by the caller, the two were within 0.04 ms a call of each other (uvloop
-    makes a socket pair for signals each time the main thread runs it). No other code runs on it."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    """The client's own event loop: asyncio's, not uvloop's. The caller's thread runs it for each
+    call, and uvloop makes and closes a socket pair for signals each time the main thread runs it:
+    with asyncio's, a constant program's round trip against a server that answers at once took
+    0.21 against 0.26 ms of the client's CPU (2-core VM, Python 3.11; ``benchmarks/RESULTS.md``,
+    "The blocking client's own time"). No other code runs on it."""
+    return asyncio.new_event_loop()
 
 
 def _is_terminal(stream: Any) -> bool:

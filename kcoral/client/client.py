@@ -259,7 +259,7 @@ class AsyncClient:
             raise TypeError(f"execute needs a Program, got {type(program).__name__}")
         options = check_execute_options(timeout_seconds, gpu_count, output_limit_bytes, self.session)
         body, blobs = program.to_wire()
-        request_id = uuid.uuid4().hex
+        request_id = os.urandom(16).hex()
         timeout = options.get("timeout_seconds", protocol.DEFAULT_TIMEOUT_SECONDS)
         queue = self._register(request_id)
         try:
@@ -309,7 +309,7 @@ class AsyncClient:
         return queue
 
     async def _simple_request(self, command: bytes) -> dict[str, Any]:
-        request_id = uuid.uuid4().hex
+        request_id = os.urandom(16).hex()
         queue = self._register(request_id)
         try:
             await self._send(command, {"request_id": request_id})
@@ -417,7 +417,9 @@ class AsyncClient:
                         "timeout", "no result within the program's timeout plus margin", request_id=request_id
                     )
             try:
-                command, reply, frames = await asyncio.wait_for(queue.get(), wait)
+                # A timeout scope, not wait_for: Python 3.11's wraps the get in a task of its own.
+                async with asyncio.timeout(wait):
+                    command, reply, frames = await queue.get()
             except TimeoutError:
                 if watch_liveness and time.monotonic() - self._last_heard > liveness:
                     raise TransportError(
