@@ -310,7 +310,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     call, and uvloop makes and closes a socket pair for signals each time the main thread runs it:
     with asyncio's, a constant program's round trip against a server that answers at once took
     0.21 against 0.26 ms of the client's CPU (2-core VM, Python 3.11; ``benchmarks/RESULTS.md``,
-    "The blocking client's own time"). No other code runs on it."""
+    "The blocking `Client`'s own time"). No other code runs on it."""
     return asyncio.new_event_loop()
 
 
