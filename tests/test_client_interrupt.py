@@ -48,6 +48,24 @@ async def main():
 asyncio.run(main())
 """
 
+# A notebook's case: the call is made from inside a running event loop, so a thread of the client's
+# drives its loop and the caller waits for the answer (its Ctrl-C cancels the call's future).
+IN_A_LOOP_SCRIPT = f"""
+import asyncio, sys, time
+from kcoral import Client, Program
+program = Program()
+fn = program.get_function(module=program.upload(kind="module", source={SLEEPER!r}), name="sleep")
+program.run(fn=fn, args=[{SLEEP_SECONDS}])
+async def main():
+    with Client(sys.argv[1]) as client:
+        try:
+            client.execute(program, timeout_seconds=300)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            time.sleep(30)  # the client stays open: its CANCEL must not wait for its close
+asyncio.new_event_loop().run_until_complete(main())
+"""
+
 
 @pytest.fixture(scope="module")
 def one_slot_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBroker]:
@@ -120,3 +138,28 @@ def test_ctrl_c_of_an_adapter_cancels_the_program(one_slot_broker: RunningBroker
     done = _interrupt_and_check(one_slot_broker, argv)
     assert done.returncode == 130
     assert "interrupted" in done.stderr and "cancelled" in done.stderr
+
+
+def test_ctrl_c_of_a_blocking_client_called_in_a_running_loop_cancels_the_program(
+    one_slot_broker: RunningBroker, tmp_path: Path
+) -> None:
+    script = tmp_path / "in_a_loop.py"
+    script.write_text(IN_A_LOOP_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    process = subprocess.Popen(
+        [sys.executable, str(script), one_slot_broker.url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        _wait_for(lambda: _load(one_slot_broker.url)["running"] == 1, 60, "the program runs")
+        process.send_signal(signal.SIGINT)
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "interrupted"
+        # While the client is still open, no call of its running: the cancellation went anyway.
+        _wait_for(lambda: _load(one_slot_broker.url) == {"running": 0, "idle": 1}, 5, "the slot is free again")
+    finally:
+        process.kill()
+        process.wait()

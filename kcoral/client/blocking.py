@@ -155,27 +155,33 @@ class Client:
             lead = not self._driving
             self._driving = True
         if lead and not in_a_loop:
-            return self._drive(loop, self._counted(coroutine), tick)
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-        # Counted out once its answer is in the future, not when its coroutine returns: a loop
-        # stopped in between (its driver's own call answered) would leave the answer unset, with
-        # no call left to drive the loop on.
-        future.add_done_callback(lambda _: self._settle(loop))
+            return self._drive(loop, self._counted(coroutine, [1]), tick)
+        # A joined call is counted out once its coroutine has ended (a cancelled one has told the
+        # service) and its answer is in its future: the future is set by a callback of the loop's
+        # next iteration, and a loop stopped in between (its driver's own call answered) would
+        # leave it unset, with no call left to drive the loop on; a future cancelled by its caller
+        # is done before its coroutine has ended.
+        parts = [2]
+        future = asyncio.run_coroutine_threadsafe(self._counted(coroutine, parts), loop)
+        future.add_done_callback(lambda _: self._settle(parts, loop))
         if lead:  # this thread runs an event loop of its own: a thread of ours drives this one
             self._drive_on_a_thread(loop)
         return self._wait(future, tick)
 
-    async def _counted(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """The call of the thread that drives the loop, counted out as it returns."""
+    async def _counted(self, coroutine: Coroutine[Any, Any, T], parts: list[int]) -> T:
         try:
             return await coroutine
         finally:
-            self._settle(None)
+            self._settle(parts, None)
 
-    def _settle(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        """A call is answered; ``loop``: where it is told from outside the loop (a joined call's
-        future, done in the loop's thread or cancelled in its caller's)."""
+    def _settle(self, parts: list[int], loop: asyncio.AbstractEventLoop | None) -> None:
+        """One part of a call is over (``parts``: how many are left, of _call's); once all are, the
+        call is counted out and the loop's driver told. ``loop``: told from outside the loop's
+        callbacks (a future's done callback runs in its caller's thread where it cancels it)."""
         with self._state:
+            parts[0] -= 1
+            if parts[0] > 0:
+                return
             self._calls -= 1
         settled = self._settled
         assert settled is not None
