@@ -89,18 +89,22 @@ def _wait_for(predicate: object, timeout: float, what: str) -> float:
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
-def _interrupt_and_check(broker: RunningBroker, argv: list[str]) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    # As from a terminal: SIGINT not ignored, whatever this process inherited (a shell's background
-    # job ignores it, and a Python started so never raises KeyboardInterrupt).
-    process = subprocess.Popen(
+def _start_client(argv: list[str]) -> subprocess.Popen[str]:
+    """The client's process, its output piped. As from a terminal: SIGINT not ignored, whatever
+    this process inherited (a shell's background job ignores it, and a Python started so never
+    raises KeyboardInterrupt)."""
+    return subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+def _interrupt_and_check(broker: RunningBroker, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    process = _start_client(argv)
     try:
         _wait_for(lambda: _load(broker.url)["running"] == 1, 60, "the program runs")
         process.send_signal(signal.SIGINT)
@@ -145,14 +149,7 @@ def test_ctrl_c_of_a_blocking_client_called_in_a_running_loop_cancels_the_progra
 ) -> None:
     script = tmp_path / "in_a_loop.py"
     script.write_text(IN_A_LOOP_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    process = subprocess.Popen(
-        [sys.executable, str(script), one_slot_broker.url],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    process = _start_client([sys.executable, str(script), one_slot_broker.url])
     try:
         _wait_for(lambda: _load(one_slot_broker.url)["running"] == 1, 60, "the program runs")
         process.send_signal(signal.SIGINT)
