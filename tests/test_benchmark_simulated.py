@@ -38,6 +38,8 @@ class SimulatedTracer:
         self._enabled: list[Any] = []
         self.popped_wrong: list[int] = []  # a list, changed in place: the tracer's own state is watched
         self.between_calls: list[int] = []  # a duration: record foreign work after each gap
+        self.device_ahead_ns: list[int] = []  # the device's records this far ahead of the host's clock
+        self.launches_recorded: list[bool] = []  # also record the launch calls of the timer's gap work
 
     def timestamp(self) -> int:
         return time.perf_counter_ns()
@@ -58,10 +60,17 @@ class SimulatedTracer:
             kinds = ["concurrent_kernel"]
             if (external_id % (1 << 20)) >= SENTINEL_ID_OFFSET:
                 kinds.append("memcpy")
+            ahead = self.device_ahead_ns[0] if self.device_ahead_ns else 0
             for kind in kinds:
                 correlation = next(self._correlations)
-                self._records.activities.append(Activity(kind, correlation, started, max(ended, started + 1), "k"))
+                self._records.activities.append(
+                    Activity(kind, correlation, started + ahead, max(ended, started + 1) + ahead, "k")
+                )
                 self._records.external[correlation] = external_id
+                if self.launches_recorded and external_id % (1 << 20) >= GAP_ID_OFFSET:
+                    # Launched as the span began, on the host's clock, by this thread.
+                    self._records.api_ends[correlation] = started
+                    self._records.api_threads[correlation] = threading.get_native_id()
         if self.between_calls and self._enabled and GAP_ID_OFFSET <= external_id % (1 << 20) < SENTINEL_ID_OFFSET:
             self.launch(self.between_calls[0])
         return self.popped_wrong[0] if self.popped_wrong else external_id
@@ -237,6 +246,19 @@ def test_work_another_thread_launches_inside_the_window_is_counted(simulated_gpu
         helper.join()
     assert result["latency_ms_median"] >= 2.0, result
     assert result["integrity_details"]["foreign_activities"] == 0
+
+
+def test_records_on_a_device_clock_ahead_of_the_hosts_read_ok(simulated_gpu: SimulatedTracer) -> None:
+    """The device's records 100 us ahead of the host's clock (about a window and a gap here) put the
+    timer's own gap work inside the windows, an integrity failure of an honest call (as the windows'
+    own tests show, by the records alone). The timer's own launches between the windows tell the
+    offset, and the records are moved back by it."""
+    x = torch.ones(8)
+    simulated_gpu.device_ahead_ns.append(100_000)
+    simulated_gpu.launches_recorded.append(True)
+    result = benchmark(lambda: x.add_(1.0), config=CONFIG)
+    assert result["integrity"] == {"verdict": "ok", "reasons": []}, result["integrity"]
+    assert 0 < result["integrity_details"]["clock_offset_us"] <= 100
 
 
 def test_work_launched_between_the_calls_is_foreign(simulated_gpu: SimulatedTracer) -> None:

@@ -168,6 +168,126 @@ def test_the_timers_own_flush_read_at_a_shifted_clock_is_told_apart_in_the_messa
     )
 
 
+def shifted_trace(offset_ns: int) -> tuple[list[Activity], dict[int, int], dict[int, int], dict[int, int]]:
+    """Two calls with the timer's flush between them and its sentinel after, recorded on a device
+    clock ``offset_ns`` ahead of the host's; the activities, external ids, API ends and threads."""
+    true_times = {
+        1: (2_000, 3_000, "user"),  # call 0, launched at 1_150
+        2: (6_000, 8_000, "flush"),  # the flush before call 1, launched at 5_500
+        3: (10_500, 11_000, "user"),  # call 1, launched at 10_150
+        4: (15_100, 15_200, "mark"),  # the sentinel, launched at 15_050
+    }
+    activities = [kernel(c, start + offset_ns, end + offset_ns, name) for c, (start, end, name) in true_times.items()]
+    external = {1: BASE, 2: BASE + GAP_ID_OFFSET + 1, 3: BASE + 1, 4: BASE + SENTINEL_ID_OFFSET}
+    api_ends = {1: 1_150, 2: 5_500, 3: 10_150, 4: 15_050}
+    return activities, external, api_ends, dict.fromkeys(true_times, CALLER)
+
+
+@pytest.mark.parametrize("offset_ns", [4_500, -3_000, 0])
+def test_records_on_a_device_clock_off_the_hosts_are_moved_back_and_read_as_on_time(offset_ns: int) -> None:
+    """An honest matmul failed `integrity` on an H100 with every flush of the timer read hundreds of
+    microseconds inside the windows: the device's records disagreed with the host's clock. The
+    timer's own gap work, launched between two windows, bounds the disagreement, and the records are
+    moved back by the least of it, so that the flush and the sentinel lie between the windows again."""
+    activities, external, api_ends, threads = shifted_trace(offset_ns)
+    unaligned = attribute(activities, external, two_windows(), BASE, until_ns=16_000)
+    timings = attribute(
+        activities,
+        external,
+        two_windows(),
+        BASE,
+        caller_thread=CALLER,
+        api_threads=threads,
+        api_ends=api_ends,
+        until_ns=16_000,
+    )
+    assert timings.forged_activities == 0 and timings.foreign == []
+    assert timings.spans_ms == [pytest.approx(0.001), pytest.approx(0.0005)]
+    assert (timings.gaps_seen, timings.sentinels_seen) == (1, frozenset({"concurrent_kernel"}))
+    if offset_ns:
+        assert unaligned.forged_activities >= 1  # read on the device's clock as it came
+        assert 0 < timings.clock_offset_ns * offset_ns  # moved the way the device's clock was off
+        assert abs(timings.clock_offset_ns) <= abs(offset_ns)  # and never further than it was off
+    else:
+        assert timings.clock_offset_ns == 0 and unaligned == timings
+
+
+def test_work_hidden_under_the_timers_ids_is_still_forged_on_a_clock_that_is_off() -> None:
+    """The alignment reads only the caller's launches between the windows: a candidate that launches
+    under a gap id inside its call, or from another thread between the calls, moves nothing and is
+    still told apart."""
+    activities, external, api_ends, threads = shifted_trace(4_500)
+    activities += [
+        kernel(5, 3_200 + 4_500, 4_800 + 4_500, "hidden"),  # inside call 0, under the flush's id
+        kernel(6, 5_100 + 4_500, 5_200 + 4_500, "helper"),  # another thread, between the calls, under it too
+    ]
+    external.update({5: BASE + GAP_ID_OFFSET + 1, 6: BASE + GAP_ID_OFFSET + 1})
+    api_ends.update({5: 1_180, 6: 5_050})
+    threads.update({5: CALLER, 6: HELPER})
+    timings = attribute(
+        activities,
+        external,
+        two_windows(),
+        BASE,
+        caller_thread=CALLER,
+        api_threads=threads,
+        api_ends=api_ends,
+        until_ns=16_000,
+    )
+    assert timings.forged_activities == 1
+    assert [name for _, name, _ in timings.forged] == ["hidden"]
+    assert timings.spans_ms[0] == pytest.approx((4_800 - 2_000) / 1e6)  # counted in call 0
+
+
+def test_a_clock_that_drifts_is_moved_back_by_the_offset_of_each_time() -> None:
+    """Where no one offset agrees with every gap (a clock that drifts faster than the gaps leave
+    room for), each stretch of the measurement is moved back by the offset of the gap it begins
+    with."""
+    windows = [
+        CallWindow(
+            index, 10_000 * index + 1_000, 10_000 * index + 1_100, 10_000 * index + 1_200, 10_000 * index + 5_000
+        )
+        for index in range(3)
+    ]
+
+    def drift(time_ns: int) -> int:
+        return 3_000 + time_ns // 2
+
+    true_times: dict[int, tuple[int, int, str, int, int]] = {}  # correlation: start, end, name, id, API end
+    for index, window in enumerate(windows):
+        true_times[10 + index] = (
+            window.begin_ns + 500,
+            window.begin_ns + 1_500,
+            "user",
+            BASE + index,
+            window.call_ns + 50,
+        )
+        if index:
+            true_times[20 + index] = (
+                window.begin_ns - 3_000,
+                window.begin_ns - 1_000,
+                "flush",
+                BASE + GAP_ID_OFFSET + index,
+                window.begin_ns - 4_000,
+            )
+    activities = [kernel(c, s + drift(s), e + drift(s), name) for c, (s, e, name, _, _) in true_times.items()]
+    external = {c: entry[3] for c, entry in true_times.items()}
+    assert attribute(activities, external, windows, BASE).forged_activities == 1  # as the records came
+    timings = attribute(
+        activities,
+        external,
+        windows,
+        BASE,
+        caller_thread=CALLER,
+        api_threads=dict.fromkeys(true_times, CALLER),
+        api_ends={c: entry[4] for c, entry in true_times.items()},
+    )
+    assert timings.clock_offset_ns == 11_001  # the later gap's; the earlier one's was 6_001
+    assert timings.forged_activities == 0
+    assert timings.spans_ms == [pytest.approx(0.001)] * 3
+    assert timings.indices == [0, 1, 2]
+
+
 def test_a_call_that_launched_nothing_is_empty_and_still_has_a_host_time() -> None:
     timings = attribute([kernel(1, 2_000, 2_100)], {1: BASE}, two_windows(), BASE)
     assert timings.empty_calls == 1

@@ -173,6 +173,8 @@ class CuptiTimer:
             "other_thread_activities": timings.other_thread_activities,
             "foreign_activities": len(timings.foreign),
             "foreign_ms": round(timings.foreign_ms, 6),
+            # The device's records moved onto the host's clock by this much (kcoral.timing.windows).
+            "clock_offset_us": round(timings.clock_offset_ns / 1e3, 3),
         }
         return (
             Measurement(

@@ -16,6 +16,16 @@ launches were the calling thread's; they never decide whether work is counted.
 
 Why windows rather than external correlation alone: CUPTI keeps external ids per thread, so a call
 that hands its GEMM to a helper thread had the GEMM dropped (a 0.18 ms matmul read 0.0012 ms).
+
+The windows are read on the host (``cupti.get_timestamp``), the activities on the GPU and mapped to
+the host's clock by CUPTI, and the two can disagree by hundreds of microseconds: an honest program
+then had all of the timer's flushes "inside" the windows (forged, an integrity failure), now and
+then on every GPU host. Before attributing, :func:`clock_offsets` reads how far the device's records
+are off from what causality allows, from the timer's own gap work alone (launched by the calling
+thread between two windows: after the host read the first one's end, done before it read the next
+one's begin), and :func:`align` moves the records back by the smallest such offset: none at all
+while no offset is needed (the usual case), and never further than causality allows, so no
+candidate can move its own work out of a window with it.
 """
 
 from __future__ import annotations
@@ -105,6 +115,9 @@ class WindowTimings:
     # Each of those: its role under the timer's ids, its name, and its start less its window's
     # begin (the first window's, where it began before all of them), in ns.
     forged: list[tuple[str, str, int]] = field(default_factory=list)
+    # How far the device's records were moved to agree with the host's windows (the offset of the
+    # largest size, ns; 0: not moved): see clock_offsets.
+    clock_offset_ns: int = 0
 
     @property
     def foreign_ms(self) -> float:
@@ -154,7 +167,11 @@ def attribute(
     block; ``caller_thread`` the OS thread that made the calls (with ``api_threads``, correlation ->
     thread, it counts work launched by other threads). Work outside every window is foreign unless
     the timer's ids mark it as its own; ``until_ns`` bounds the time looked at after the last window.
+    The device's records are first put on the host's clock where they disagree with it (align).
     """
+    listed = list(activities)
+    offsets = clock_offsets(listed, external_ids, windows, base, caller_thread, api_threads, api_ends, until_ns)
+    activities = align(listed, offsets)
     begins = [window.begin_ns for window in windows]
     threads = api_threads or {}
     counted: dict[int, list[Activity]] = {}
@@ -263,4 +280,98 @@ def attribute(
         forged=forged_seen,
         gaps_seen=len(gaps),
         sentinels_seen=frozenset(sentinels),
+        clock_offset_ns=max((offset for _, offset in offsets), key=abs, default=0),
     )
+
+
+def clock_offsets(
+    activities: Iterable[Activity],
+    external_ids: Mapping[int, int],
+    windows: Sequence[CallWindow],
+    base: int,
+    caller_thread: int | None,
+    api_threads: Mapping[int, int] | None,
+    api_ends: Mapping[int, int] | None,
+    until_ns: int | None,
+) -> list[tuple[int | None, int]]:
+    """How far the device's records are ahead of the host's clock: ``(from, offset ns)`` pairs in
+    time order, ``from`` on the device's clock (None: from the start); [] where nothing tells.
+
+    Gap ``k`` is the host's time between window ``k - 1``'s end (nothing before the first) and
+    window ``k``'s begin (``until_ns`` after the last). Work the calling thread launched in it
+    (its launch call returned inside the gap) started after the host read that end and had ended
+    when the host read that begin, after a device-wide synchronisation: so an offset of the
+    device's clock is above ``end - begin_k`` and below ``start - end_(k-1)`` for each such
+    activity of the timer's own gap and sentinel ids. Any thread's work would do as well, since
+    causality binds them all; taking only the caller's keeps other threads out of it.
+
+    One offset for the whole measurement where one agrees with every gap: the one nearest to zero
+    (0 wherever none is needed, the usual case). Where none does (a clock that drifts more than
+    the gaps leave room for), each gap's own, from where that gap begins on the device's clock.
+    Bounds of one gap that contradict each other tell nothing: that gap is left out.
+    """
+    if caller_thread is None or not api_threads or not api_ends or not windows:
+        return []
+    ends = [window.end_ns for window in windows]
+    lowest: dict[int, int] = {}
+    highest: dict[int, int] = {}
+    for activity in activities:
+        correlation = activity.correlation_id
+        role = role_of(external_ids.get(correlation), base)
+        if role is None or role[0] not in (ROLE_GAP, ROLE_SENTINEL) or api_threads.get(correlation) != caller_thread:
+            continue
+        launched = api_ends.get(correlation)
+        if launched is None:
+            continue
+        gap = bisect.bisect_left(ends, launched)  # the windows that ended before the launch returned
+        after = windows[gap].begin_ns if gap < len(windows) else until_ns
+        if after is not None and launched >= after:
+            continue  # launched inside a window (or after the measurement): not the timer's gap work
+        # Strictly after the end, strictly before the begin: moved by a bound, the activity lies
+        # outside both windows (a window holds its begin and its end).
+        if after is not None:
+            bound = activity.end_ns - after + 1
+            lowest[gap] = max(lowest.get(gap, bound), bound)
+        if gap > 0:
+            bound = activity.start_ns - ends[gap - 1] - 1
+            highest[gap] = min(highest.get(gap, bound), bound)
+    gaps = [
+        (gap, lowest.get(gap), highest.get(gap))
+        for gap in sorted(set(lowest) | set(highest))
+        if lowest.get(gap) is None or highest.get(gap) is None or lowest[gap] <= highest[gap]
+    ]
+    if not gaps:
+        return []
+    low = max((bound for _, bound, _ in gaps if bound is not None), default=None)
+    high = min((bound for _, _, bound in gaps if bound is not None), default=None)
+    if low is None or high is None or low <= high:
+        return [(None, _nearest_zero(low, high))]
+    return [
+        (None if index == 0 or gap == 0 else ends[gap - 1] + _nearest_zero(low_k, high_k), _nearest_zero(low_k, high_k))
+        for index, (gap, low_k, high_k) in enumerate(gaps)
+    ]
+
+
+def _nearest_zero(low: int | None, high: int | None) -> int:
+    """The offset nearest to zero between ``low`` and ``high`` (either may be missing)."""
+    if low is not None and low > 0:
+        return low
+    if high is not None and high < 0:
+        return high
+    return 0
+
+
+def align(activities: Iterable[Activity], offsets: Sequence[tuple[int | None, int]]) -> list[Activity]:
+    """The activities moved back onto the host's clock by ``offsets`` (clock_offsets'): each by the
+    offset from the latest ``from`` at or before its start (the first offset before them all);
+    unchanged where no offset is needed."""
+    listed = list(activities)
+    if not any(offset for _, offset in offsets):
+        return listed
+    starts = [start if start is not None else -(1 << 62) for start, _ in offsets]
+    values = [offset for _, offset in offsets]
+    moved = []
+    for activity in listed:
+        offset = values[max(0, bisect.bisect_right(starts, activity.start_ns) - 1)]
+        moved.append(activity._replace(start_ns=activity.start_ns - offset, end_ns=activity.end_ns - offset))
+    return moved
