@@ -30,7 +30,7 @@ from kcoral.timing.inputs import (
 )
 from kcoral.timing.neighbours import MOST_PIDS, KnownPids
 from kcoral.timing.timers import cupti_reasons, own_records_missing
-from kcoral.timing.windows import CallWindow, attribute, role_of
+from kcoral.timing.windows import CallWindow, WindowTimings, attribute, role_of
 
 torch = pytest.importorskip("torch")
 
@@ -183,15 +183,11 @@ def shifted_trace(offset_ns: int) -> tuple[list[Activity], dict[int, int], dict[
     return activities, external, api_ends, dict.fromkeys(true_times, CALLER)
 
 
-@pytest.mark.parametrize("offset_ns", [4_500, -3_000, 0])
-def test_records_on_a_device_clock_off_the_hosts_are_moved_back_and_read_as_on_time(offset_ns: int) -> None:
-    """An honest matmul failed `integrity` on an H100 with every flush of the timer read hundreds of
-    microseconds inside the windows: the device's records disagreed with the host's clock. The
-    timer's own gap work, launched between two windows, bounds the disagreement, and the records are
-    moved back by the least of it, so that the flush and the sentinel lie between the windows again."""
-    activities, external, api_ends, threads = shifted_trace(offset_ns)
-    unaligned = attribute(activities, external, two_windows(), BASE, until_ns=16_000)
-    timings = attribute(
+def attribute_with_launches(
+    activities: list[Activity], external: dict[int, int], api_ends: dict[int, int], threads: dict[int, int]
+) -> WindowTimings:
+    """two_windows' attribution with the launch calls' records, the calling thread's among them."""
+    return attribute(
         activities,
         external,
         two_windows(),
@@ -201,6 +197,17 @@ def test_records_on_a_device_clock_off_the_hosts_are_moved_back_and_read_as_on_t
         api_ends=api_ends,
         until_ns=16_000,
     )
+
+
+@pytest.mark.parametrize("offset_ns", [4_500, -3_000, 0])
+def test_records_on_a_device_clock_off_the_hosts_are_moved_back_and_read_as_on_time(offset_ns: int) -> None:
+    """An honest matmul failed `integrity` on an H100 with every flush of the timer read hundreds of
+    microseconds inside the windows: the device's records disagreed with the host's clock. The
+    timer's own gap work, launched between two windows, bounds the disagreement, and the records are
+    moved back by the least of it, so that the flush and the sentinel lie between the windows again."""
+    activities, external, api_ends, threads = shifted_trace(offset_ns)
+    unaligned = attribute(activities, external, two_windows(), BASE, until_ns=16_000)
+    timings = attribute_with_launches(activities, external, api_ends, threads)
     assert timings.forged_activities == 0 and timings.foreign == []
     assert timings.spans_ms == [pytest.approx(0.001), pytest.approx(0.0005)]
     assert (timings.gaps_seen, timings.sentinels_seen) == (1, frozenset({"concurrent_kernel"}))
@@ -224,16 +231,7 @@ def test_work_hidden_under_the_timers_ids_is_still_forged_on_a_clock_that_is_off
     external.update({5: BASE + GAP_ID_OFFSET + 1, 6: BASE + GAP_ID_OFFSET + 1})
     api_ends.update({5: 1_180, 6: 5_050})
     threads.update({5: CALLER, 6: HELPER})
-    timings = attribute(
-        activities,
-        external,
-        two_windows(),
-        BASE,
-        caller_thread=CALLER,
-        api_threads=threads,
-        api_ends=api_ends,
-        until_ns=16_000,
-    )
+    timings = attribute_with_launches(activities, external, api_ends, threads)
     assert timings.forged_activities == 1
     assert [name for _, name, _ in timings.forged] == ["hidden"]
     assert timings.spans_ms[0] == pytest.approx((4_800 - 2_000) / 1e6)  # counted in call 0
