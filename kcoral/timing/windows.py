@@ -20,7 +20,7 @@ that hands its GEMM to a helper thread had the GEMM dropped (a 0.18 ms matmul re
 The windows are read on the host (``cupti.get_timestamp``), the activities on the GPU and mapped to
 the host's clock by CUPTI, and the two can disagree by hundreds of microseconds: an honest program
 then had all of the timer's flushes "inside" the windows (forged, an integrity failure), now and
-then on every GPU host. Before attributing, :func:`clock_offsets` reads how far the device's records
+then, on the H200 and on H100 hosts. Before attributing, :func:`clock_offsets` reads how far the device's records
 are off from what causality allows, from the timer's own gap work alone (launched by the calling
 thread between two windows: after the host read the first one's end, done before it read the next
 one's begin), and :func:`align` moves the records back by the smallest such offset: none at all
@@ -302,8 +302,9 @@ def clock_offsets(
     (its launch call returned inside the gap) started after the host read that end and had ended
     when the host read that begin, after a device-wide synchronisation: so an offset of the
     device's clock is above ``end - begin_k`` and below ``start - end_(k-1)`` for each such
-    activity of the timer's own gap and sentinel ids. Any thread's work would do as well, since
-    causality binds them all; taking only the caller's keeps other threads out of it.
+    activity of the timer's own gap and sentinel ids. Only the calling thread's: its launches are
+    ordered with the host's readings, while another thread's launch may have begun before a
+    reading, or after the synchronisation had begun (and so not been waited for).
 
     One offset for the whole measurement where one agrees with every gap: the one nearest to zero
     (0 wherever none is needed, the usual case). Where none does (a clock that drifts more than
