@@ -39,7 +39,11 @@ def child(wait_s: float, probes: list[float]) -> dict[str, Any]:
     import threading
 
     import torch
-    from cupti import cupti
+
+    try:
+        from cupti import cupti
+    except ImportError as exc:  # the gpu extra: pip install 'kcoral[gpu]'
+        raise SystemExit(f"cupti-python is needed (the gpu extra): {exc}") from exc
 
     torch.cuda.init()
     tensor = torch.zeros(1 << 10, device="cuda")
