@@ -20,12 +20,12 @@ that hands its GEMM to a helper thread had the GEMM dropped (a 0.18 ms matmul re
 The windows are read on the host (``cupti.get_timestamp``), the activities on the GPU and mapped to
 the host's clock by CUPTI, and the two can disagree by hundreds of microseconds: an honest program
 then had all of the timer's flushes "inside" the windows (forged, an integrity failure), now and
-then, on the H200 and on H100 hosts. Before attributing, :func:`clock_offsets` reads how far the device's records
-are off from what causality allows, from the timer's own gap work alone (launched by the calling
-thread between two windows: after the host read the first one's end, done before it read the next
-one's begin), and :func:`align` moves the records back by the smallest such offset: none at all
-while no offset is needed (the usual case), and never further than causality allows, so no
-candidate can move its own work out of a window with it.
+then, on the H200 and on H100 hosts. Before attributing, :func:`clock_offsets` reads how far the
+device's records are off from what causality allows, from the timer's own gap work alone
+(launched by the calling thread between two windows: after the host read the first one's end,
+done before it read the next one's begin), and :func:`align` moves the records back by the
+smallest such offset: none at all while no offset is needed (the usual case), and never further
+than causality allows, so no candidate can move its own work out of a window with it.
 """
 
 from __future__ import annotations
@@ -347,10 +347,11 @@ def clock_offsets(
     high = min((bound for _, _, bound in gaps if bound is not None), default=None)
     if low is None or high is None or low <= high:
         return [(None, _nearest_zero(low, high))]
-    return [
-        (None if index == 0 or gap == 0 else ends[gap - 1] + _nearest_zero(low_k, high_k), _nearest_zero(low_k, high_k))
-        for index, (gap, low_k, high_k) in enumerate(gaps)
-    ]
+    offsets: list[tuple[int | None, int]] = []
+    for gap, low_k, high_k in gaps:
+        offset = _nearest_zero(low_k, high_k)
+        offsets.append((None if not offsets or gap == 0 else ends[gap - 1] + offset, offset))
+    return offsets
 
 
 def _nearest_zero(low: int | None, high: int | None) -> int:
