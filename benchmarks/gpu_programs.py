@@ -145,6 +145,11 @@ def timing(url: str, runs: int, churn: bool) -> dict[str, Any]:
             "programs": len(row["medians_ms"]),
             "suspect_reasons": row["suspect_reasons"],
             "medians_ms": row["medians_ms"],
+            # How far each program's device records were moved onto the host's clock (see
+            # kcoral.timing.windows.clock_offsets): 0 where the two clocks agree.
+            "clock_offsets_us": [
+                (entry.get("integrity_details") or {}).get("clock_offset_us") for entry in row["reports"]
+            ],
         }
     return {"churn": churn, "churn_programs": summary["churn_programs_completed"], "workloads": rows}
 
@@ -352,12 +357,13 @@ def main() -> int:
                         (row["spread"] or 0) * 100,
                         (row["max_of_max_ms"] or 0) * 1000,
                         f"{row['ok_programs']}/{row['programs']}",
+                        " ".join("-" if o is None else f"{o:g}" for o in row["clock_offsets_us"]),
                     ]
                 )
     if timing_rows:
         print_table(
             "benchmark() through each broker (us; spread = max/min - 1 of the programs' medians, %)",
-            ["broker", "workload", "median us", "spread %", "worst call us", "ok"],
+            ["broker", "workload", "median us", "spread %", "worst call us", "ok", "clock offsets us"],
             timing_rows,
         )
     save_json(args.json, report)
