@@ -2,7 +2,8 @@
 # Goes to the repository root, sets PY and SUMMARY, and defines `step` (run a command with a time
 # limit, one log per step under $OUT, its exit status and last lines in $OUT/summary.txt) and
 # `install_kcoral` (the wheels in .whl/ when there, then the project, non-editable, into the
-# interpreter's own site-packages, which a bubblewrap sandbox sees; a --target folder it does not).
+# interpreter's own site-packages, which a bubblewrap sandbox sees; a --target folder it does not;
+# nothing where KCORAL_INSTALLED=1 says an earlier batch of the same call installed them).
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -22,6 +23,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note its
 }
 
 install_kcoral() {
+    [ "${KCORAL_INSTALLED:-}" = 1 ] && return
     if compgen -G ".whl/*.whl" >/dev/null; then
         step install-wheels 50 "$PY" -m pip install -q --no-index --no-deps --no-compile --break-system-packages .whl/*.whl
     fi
