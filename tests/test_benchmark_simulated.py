@@ -40,9 +40,20 @@ class SimulatedTracer:
         self.between_calls: list[int] = []  # a duration: record foreign work after each gap
         self.device_ahead_ns: list[int] = []  # the device's records this far ahead of the host's clock
         self.launches_recorded: list[bool] = []  # also record the launch calls of the timer's gap work
+        # A timestamp source of the program's own (CUPTI's activity_register_timestamp_callback):
+        # from the moment it is given (rate, host ns, own ns), its clock runs at that rate.
+        self.clock_given: list[tuple[float, int, int]] = []
 
     def timestamp(self) -> int:
-        return time.perf_counter_ns()
+        now = time.perf_counter_ns()
+        if not self.clock_given:
+            return now
+        rate, host_at, own_at = self.clock_given[-1]
+        return own_at + int((now - host_at) * rate)
+
+    def give_clock(self, rate: float) -> None:
+        """The program's own timestamp source, from now on at ``rate`` times the host's."""
+        self.clock_given.append((rate, time.perf_counter_ns(), self.timestamp()))
 
     def enable(self, *, correlation: bool) -> None:
         self._enabled.append("on")
@@ -259,6 +270,36 @@ def test_records_on_a_device_clock_ahead_of_the_hosts_read_ok(simulated_gpu: Sim
     result = benchmark(lambda: x.add_(1.0), config=CONFIG)
     assert result["integrity"] == {"verdict": "ok", "reasons": []}, result["integrity"]
     assert 0 < result["integrity_details"]["clock_offset_us"] <= 100
+
+
+@pytest.mark.parametrize("inside_call_only", [False, True], ids=["from-the-first-call", "inside-each-call"])
+def test_a_cupti_clock_replaced_by_the_program_fails_with_integrity(
+    simulated_gpu: SimulatedTracer, inside_call_only: bool
+) -> None:
+    """The program gives CUPTI a timestamp source of its own that runs at a tenth of the host's
+    pace: from its first call on (every window, record and host time of the measurement on it), or
+    only while each of its calls runs. The host's own clock around each window disagrees."""
+    x = torch.ones(8)
+
+    def slows_the_clock() -> Any:
+        if inside_call_only or not simulated_gpu.clock_given:
+            simulated_gpu.give_clock(0.1)
+        time.sleep(0.0002)
+        out = x.add_(1.0)
+        if inside_call_only:
+            simulated_gpu.give_clock(1.0)
+        return out
+
+    with pytest.raises(ExecutionError) as failure:
+        benchmark(slows_the_clock, config=CONFIG)
+    assert failure.value.kind == "integrity"
+    assert "CUPTI's clock made the" in str(failure.value), failure.value
+
+
+def test_an_honest_call_on_a_simulated_gpu_reads_its_clock_agreeing(simulated_gpu: SimulatedTracer) -> None:
+    x = torch.ones(8)
+    result = benchmark(lambda: x.add_(1.0), config=CONFIG)
+    assert result["integrity"] == {"verdict": "ok", "reasons": []}, result["integrity"]
 
 
 def test_work_launched_between_the_calls_is_foreign(simulated_gpu: SimulatedTracer) -> None:

@@ -29,8 +29,8 @@ from kcoral.timing.inputs import (
     plan_inputs,
 )
 from kcoral.timing.neighbours import MOST_PIDS, KnownPids
-from kcoral.timing.timers import cupti_reasons, own_records_missing
-from kcoral.timing.windows import CallWindow, WindowTimings, attribute, role_of
+from kcoral.timing.timers import clock_tampering, cupti_reasons, own_records_missing
+from kcoral.timing.windows import CallWindow, WindowTimings, attribute, clock_disagreement, role_of
 
 torch = pytest.importorskip("torch")
 
@@ -326,6 +326,50 @@ def test_missing_records_of_the_timers_own_work_are_tampering() -> None:
     assert any("sentinel" in text for text in missing)
 
 
+def bracketed(begin: int, end: int, read_ns: int = 200, host_rate: float = 1.0) -> CallWindow:
+    """A window of CUPTI's clock from ``begin`` to ``end``, with the host's readings around both
+    ends (each reading ``read_ns`` long), the host's clock running ``host_rate`` times CUPTI's."""
+    host_begin, host_end = int(begin * host_rate), int(end * host_rate)
+    readings = (host_begin - read_ns, host_begin + read_ns, host_end - read_ns, host_end + read_ns)
+    return CallWindow(0, begin, begin + 100, end - 100, end, host_ns=readings)
+
+
+def test_a_cupti_clock_that_keeps_time_with_the_hosts_passes() -> None:
+    windows = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000) for i in range(100)]
+    disagreement = clock_disagreement(windows)
+    assert disagreement is not None and not disagreement.too_far
+    assert disagreement.short_ns == disagreement.long_ns == 0
+    # NTP's slewing (500 ppm), and a pre-empted reading (the bracket 2 ms wide): still in.
+    slewed = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000, host_rate=1.0005) for i in range(100)]
+    assert not clock_disagreement(slewed).too_far  # type: ignore[union-attr]
+    window = bracketed(0, 50_000)
+    pre_empted = CallWindow(0, 0, 100, 49_900, 50_000, host_ns=(-2_000_000, 200, 49_800, 50_200))
+    assert not clock_disagreement([window, pre_empted]).too_far  # type: ignore[union-attr]
+    assert clock_disagreement([CallWindow(0, 0, 1, 2, 3)]) is None  # stamped on the host's clock itself
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9, 1.5])
+def test_a_cupti_clock_that_runs_at_another_rate_is_tampering(rate: float) -> None:
+    """A program that gave CUPTI a timestamp source of its own that runs slow (every window, record
+    and host time then reads short) or fast: the host's own readings around each window disagree."""
+    windows = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000, host_rate=1 / rate) for i in range(20)]
+    disagreement = clock_disagreement(windows)
+    assert disagreement is not None and disagreement.too_far
+    message = clock_tampering(disagreement)
+    assert ("shorter" if rate < 1 else "longer") in message and "timestamp source" in message
+
+
+def test_a_cupti_clock_slowed_only_inside_each_call_is_tampering() -> None:
+    """Slow only while the candidate's own work runs: 2 us of each 20 us window read as none."""
+    windows = []
+    for i in range(145):
+        begin = 1_000_000 * i
+        window = bracketed(begin, begin + 20_000)
+        windows.append(CallWindow(0, begin, begin + 100, begin + 17_900, begin + 18_000, host_ns=window.host_ns))
+    disagreement = clock_disagreement(windows)
+    assert disagreement is not None and disagreement.too_far, disagreement
+
+
 def test_external_id_blocks_are_unpredictable() -> None:
     blocks = {reserve_external_ids() for _ in range(50)}
     assert len(blocks) == 50
@@ -409,6 +453,7 @@ def test_each_call_runs_in_its_own_window_between_device_syncs() -> None:
     assert all(w.begin_ns < w.call_ns < w.return_ns < w.end_ns for w in calls.windows)
     assert calls.windows[0].end_ns < calls.windows[1].begin_ns
     assert calls.stack_changes == [] and tracer.stack == []
+    assert all(w.host_ns is not None and w.host_ns == tuple(sorted(w.host_ns)) for w in calls.windows)
 
 
 def test_a_candidate_that_pushes_or_pops_external_ids_is_noticed() -> None:

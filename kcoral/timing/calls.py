@@ -212,6 +212,13 @@ class _Brackets:
             )
 
 
+def _host_clock_ns(runner: Runner) -> Callable[[], int]:
+    """The host's clock in ns, as the timer captured it at arm (``time.perf_counter``): a clock that
+    no program can replace, against which CUPTI's is checked."""
+    perf_counter = runner.trusted.perf_counter
+    return lambda: int(perf_counter() * 1e9)
+
+
 def timed_calls(
     runner: Runner,
     count: int,
@@ -236,6 +243,8 @@ def timed_calls(
     """
     event = runner.trusted.event
     clock = tracer.timestamp if tracer is not None else runner.clock_ns
+    # CUPTI's clock is checked against the host's over the windows (windows.clock_disagreement).
+    host_clock = _host_clock_ns(runner) if tracer is not None else None
     brackets = _Brackets(tracer)
     events = [(event(enable_timing=True), event(enable_timing=True)) for _ in range(count)] if event else []
     windows: list[CallWindow] = []
@@ -253,7 +262,9 @@ def timed_calls(
             finally:
                 brackets.pop(base + GAP_ID_OFFSET + index, f"the timer's flush before call {index}")
             runner.synchronize()
+            before_begin = host_clock() if host_clock else 0
             begin_ns = clock()
+            after_begin = host_clock() if host_clock else 0
             if hold_cycles > 0:
                 brackets.push(base + HOLD_ID_OFFSET + index)
                 try:
@@ -273,8 +284,10 @@ def timed_calls(
             if events:
                 events[index][1].record()
             runner.synchronize()
+            before_end = host_clock() if host_clock else 0
             end_ns = clock()
-            windows.append(CallWindow(index, begin_ns, call_ns, return_ns, end_ns, hold_ns))
+            host_ns = (before_begin, after_begin, before_end, host_clock()) if host_clock else None
+            windows.append(CallWindow(index, begin_ns, call_ns, return_ns, end_ns, hold_ns, host_ns))
             if after_call is not None:
                 after_call()
             if reservoir is not None:

@@ -22,7 +22,7 @@ from kcoral.timing.cupti import (
 from kcoral.timing.inputs import KeptOutput
 from kcoral.timing.nvml import Nvml, clock_state
 from kcoral.timing.stats import activities_stable
-from kcoral.timing.windows import WindowTimings, attribute
+from kcoral.timing.windows import ClockDisagreement, WindowTimings, attribute, clock_disagreement
 
 # The launch hold: a one-thread GPU spin before each counted call, long enough for the host to
 # launch the whole call behind it. First guess: this multiple of the untraced launch time plus the
@@ -153,6 +153,9 @@ class CuptiTimer:
                 f"its work (the ids were read from the timer and reused to hide work): {timings.forged_summary()}"
             )
         tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, counted.runner.flush_shape is not None))
+        disagreement = clock_disagreement(calls.windows)
+        if disagreement is not None and disagreement.too_far:
+            tampering.append(clock_tampering(disagreement))
         for kind in sorted(self.probe_kinds - timings.sentinels_seen):
             tampering.append(
                 f"CUPTI recorded the timer's own {kind} before the timed calls but not after them: "
@@ -194,6 +197,17 @@ class CuptiTimer:
             ),
             after,
         )
+
+
+def clock_tampering(disagreement: ClockDisagreement) -> str:
+    """The integrity failure of a CUPTI clock that did not keep time with the host's."""
+    shorter = disagreement.short_ns >= disagreement.long_ns
+    way, off = ("shorter", disagreement.short_ns) if shorter else ("longer", disagreement.long_ns)
+    return (
+        f"CUPTI's clock made the {disagreement.windows} timed windows {off / 1e3:.1f} us {way} in all than the "
+        f"host's own clock read them ({disagreement.host_ns / 1e3:.1f} us): its timestamp source was replaced "
+        "or changed during the measurement"
+    )
 
 
 def own_records_missing(timings: WindowTimings, calls: int, held: bool, flushed: bool) -> list[str]:

@@ -45,6 +45,15 @@ from kcoral.timing.cupti import (
     busy_ns,
 )
 
+# CUPTI's clock against the host's over the timed windows (clock_disagreement): each window's own
+# readings bracket its length on the host's clock within a few hundred nanoseconds, so an honest
+# clock is inside by construction; what is allowed beyond the bracket is a rate (NTP slews a clock
+# by at most 500 ppm), a step of either clock's readings, and over all windows a floor or a share.
+CLOCK_RATE_TOLERANCE = 0.002
+CLOCK_STEP_NS = 1_000
+CLOCK_DISAGREEMENT_FLOOR_NS = 20_000
+CLOCK_DISAGREEMENT_SHARE = 0.01
+
 ROLE_CALL = "call"
 ROLE_HOLD = "hold"
 ROLE_GAP = "gap"
@@ -63,6 +72,10 @@ class CallWindow:
     return_ns: int  # the function returned
     end_ns: int
     hold_ns: int = 0  # the hold asked for; where CUPTI gives no hold record, its end is estimated
+    # The trusted host clock (ns) read just before and just after begin_ns, and just before and
+    # just after end_ns: the window's length on a clock the program cannot replace (see
+    # clock_disagreement). None where the calls were stamped on that clock itself.
+    host_ns: tuple[int, int, int, int] | None = None
 
 
 def role_of(external_id: int | None, base: int) -> tuple[str, int] | None:
@@ -377,3 +390,49 @@ def align(activities: Iterable[Activity], offsets: Sequence[tuple[int | None, in
         offset = values[max(0, bisect.bisect_right(starts, activity.start_ns) - 1)]
         moved.append(activity._replace(start_ns=activity.start_ns - offset, end_ns=activity.end_ns - offset))
     return moved
+
+
+@dataclass(frozen=True)
+class ClockDisagreement:
+    """CUPTI's clock against the trusted host clock over the timed windows: how much shorter (or
+    longer) CUPTI's clock made them than their bracketing host readings allow, in all, and the
+    host's own count of them."""
+
+    short_ns: int
+    long_ns: int
+    host_ns: int
+    windows: int
+
+    @property
+    def too_far(self) -> bool:
+        allowed = CLOCK_DISAGREEMENT_FLOOR_NS + CLOCK_DISAGREEMENT_SHARE * self.host_ns
+        return self.short_ns > allowed or self.long_ns > allowed
+
+
+def clock_disagreement(windows: Sequence[CallWindow]) -> ClockDisagreement | None:
+    """How far CUPTI's clock strayed from the trusted host clock over the timed windows (None where
+    no window has host readings).
+
+    A window's length on CUPTI's clock (``end_ns - begin_ns``) lies between the host's readings
+    around it: at least from just after the begin was read to just before the end was, at most from
+    just before the one to just after the other. A pre-empted reading widens the bracket and never
+    fails it. A clock that runs slower or faster than the host's while the calls run (a program that
+    gave CUPTI a timestamp source of its own, say: every window, record and host time of the
+    measurement is on that clock) reads windows shorter or longer than the host saw them; what
+    each window strays beyond its bracket, a rate and a step, is summed.
+    """
+    short = long = host = counted = 0
+    for window in windows:
+        if window.host_ns is None:
+            continue
+        before_begin, after_begin, before_end, after_end = window.host_ns
+        length = window.end_ns - window.begin_ns
+        least, most = before_end - after_begin, after_end - before_begin
+        slack = CLOCK_STEP_NS + CLOCK_RATE_TOLERANCE * max(least, 0)
+        short += max(0, int(least - slack) - length)
+        long += max(0, length - int(most + slack))
+        host += max(0, least)
+        counted += 1
+    if not counted:
+        return None
+    return ClockDisagreement(short, long, host, counted)

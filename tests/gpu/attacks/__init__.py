@@ -61,6 +61,7 @@ CATALOGUE: Final[tuple[Attack, ...]] = (
     Attack("hijack_callbacks", "timer state: CUPTI callbacks", "benchmark"),
     Attack("pop_external_id", "timer state: correlation stack", "benchmark"),
     Attack("forge_hold_id", "timer state: correlation ids", "benchmark"),
+    Attack("replace_cupti_clock", "timer state: CUPTI's clock", "benchmark"),
     Attack("patch_summary", "timer functions", "benchmark"),
     Attack("patch_torch_sync", "timer functions", "benchmark"),
     Attack("shrink_flush_buffer", "L2 flush", "benchmark", workload="reduce"),
