@@ -20,7 +20,7 @@ import pytest
 from kcoral.errors import ExecutionError
 from kcoral.timing import timers, trust
 from kcoral.timing.benchmark import benchmark
-from kcoral.timing.cupti import GAP_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, TraceRecords
+from kcoral.timing.cupti import GAP_ID_OFFSET, SENTINEL_ID_OFFSET, Activity, TraceRecords, cupti_thread_id
 from tests.helpers import called_from
 
 torch = pytest.importorskip("torch")
@@ -81,7 +81,7 @@ class SimulatedTracer:
                 if self.launches_recorded and external_id % (1 << 20) >= GAP_ID_OFFSET:
                     # Launched as the span began, on the host's clock, by this thread.
                     self._records.api_ends[correlation] = started
-                    self._records.api_threads[correlation] = threading.get_native_id()
+                    self._records.api_threads[correlation] = cupti_thread_id()
         if self.between_calls and self._enabled and GAP_ID_OFFSET <= external_id % (1 << 20) < SENTINEL_ID_OFFSET:
             self.launch(self.between_calls[0])
         return self.popped_wrong[0] if self.popped_wrong else external_id

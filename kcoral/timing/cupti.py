@@ -58,6 +58,13 @@ def busy_ns(intervals: Iterable[tuple[int, int]]) -> int:
     return total
 
 
+def cupti_thread_id() -> int:
+    """The calling thread as CUPTI's API records name it (their ``threadId``): on Linux the thread's
+    pthread id cut to 32 bits, which is ``threading.get_ident()``'s, not the OS thread id of
+    ``threading.get_native_id()`` (measured on the H200: ``benchmarks/cupti_clock.py``)."""
+    return threading.get_ident() & 0xFFFF_FFFF
+
+
 def reserve_external_ids() -> int:
     """The base of a fresh, unpredictable block of external ids."""
     return (secrets.randbits(EXTERNAL_BLOCK_BITS) + 1) * EXTERNAL_ID_BLOCK

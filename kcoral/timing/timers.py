@@ -8,7 +8,6 @@ docstring (``kcoral.timing``) says why each step is there.
 from __future__ import annotations
 
 import statistics
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -17,6 +16,7 @@ from kcoral.errors import ExecutionError
 from kcoral.timing.calls import CountedCalls, Runner, TimedCalls, timed_calls
 from kcoral.timing.cupti import (
     CuptiTracer,
+    cupti_thread_id,
     reserve_external_ids,
 )
 from kcoral.timing.inputs import KeptOutput
@@ -72,7 +72,7 @@ def _timings(tracer: CuptiTracer, calls: TimedCalls, base: int) -> tuple[WindowT
         records.external,
         calls.windows,
         base,
-        caller_thread=threading.get_native_id(),
+        caller_thread=cupti_thread_id(),
         api_threads=records.api_threads,
         api_ends=records.api_ends,
         until_ns=calls.trailing_end_ns,
