@@ -272,26 +272,27 @@ def test_records_on_a_device_clock_ahead_of_the_hosts_read_ok(simulated_gpu: Sim
     assert 0 < result["integrity_details"]["clock_offset_us"] <= 100
 
 
-@pytest.mark.parametrize("inside_call_only", [False, True], ids=["from-the-first-call", "inside-each-call"])
-def test_a_cupti_clock_replaced_by_the_program_fails_with_integrity(
-    simulated_gpu: SimulatedTracer, inside_call_only: bool
-) -> None:
+@pytest.mark.parametrize("when", ["from-the-first-call", "inside-each-call", "outside-each-call"])
+def test_a_cupti_clock_replaced_by_the_program_fails_with_integrity(simulated_gpu: SimulatedTracer, when: str) -> None:
     """The program gives CUPTI a timestamp source of its own that runs at a tenth of the host's
-    pace: from its first call on (every window, record and host time of the measurement on it), or
-    only while each of its calls runs. The host's own clock around each window disagrees."""
+    pace: from its first call on (every window, record and host time of the measurement on it),
+    only while each of its calls runs, or all but while they run (the call's own records then at
+    the host's pace, the windows around them not). The host's own clock around each window
+    disagrees."""
     x = torch.ones(8)
+    slow, fast = (1.0, 0.1) if when == "outside-each-call" else (0.1, 1.0)
 
-    def slows_the_clock() -> Any:
-        if inside_call_only or not simulated_gpu.clock_given:
-            simulated_gpu.give_clock(0.1)
+    def replaces_the_clock() -> Any:
+        if when != "from-the-first-call" or not simulated_gpu.clock_given:
+            simulated_gpu.give_clock(slow)
         time.sleep(0.0002)
         out = x.add_(1.0)
-        if inside_call_only:
-            simulated_gpu.give_clock(1.0)
+        if when != "from-the-first-call":
+            simulated_gpu.give_clock(fast)
         return out
 
     with pytest.raises(ExecutionError) as failure:
-        benchmark(slows_the_clock, config=CONFIG)
+        benchmark(replaces_the_clock, config=CONFIG)
     assert failure.value.kind == "integrity"
     assert "CUPTI's clock made the" in str(failure.value), failure.value
 
