@@ -6,7 +6,8 @@ holds the machinery, one role per module:
 - ``timing.config``: the config keys, defaults and limits.
 - ``timing.trust``: the trusted state, armed before uploaded code runs, and its checks.
 - ``timing.cupti``: the CUPTI activity tracer, its clock and the timer's external ids.
-- ``timing.windows``: which GPU work belongs to which timed call, by time window (pure).
+- ``timing.windows``: which GPU work belongs to which timed call, by time window, and whether
+  CUPTI's clock kept time with the host's over the windows (pure).
 - ``timing.inputs``: each call's inputs (factory, rotated clones) and the sample of outputs checked.
 - ``timing.nvml``: the SM clock, clock-event ("throttle") reasons, and which processes use the GPU.
 - ``timing.calls``: the runner (inputs, L2 flush, launch hold, call, synchronisation) and the timed
