@@ -326,11 +326,15 @@ def test_missing_records_of_the_timers_own_work_are_tampering() -> None:
     assert any("sentinel" in text for text in missing)
 
 
-def bracketed(begin: int, end: int, read_ns: int = 200, host_rate: float = 1.0) -> CallWindow:
+def bracketed(
+    begin: int, end: int, read_ns: int = 200, host_rate: float = 1.0, host_begin: int | None = None
+) -> CallWindow:
     """A window of CUPTI's clock from ``begin`` to ``end``, with the host's readings around both
-    ends (each reading ``read_ns`` long), the host's clock running ``host_rate`` times CUPTI's."""
-    host_begin, host_end = int(begin * host_rate), int(end * host_rate)
-    readings = (host_begin - read_ns, host_begin + read_ns, host_end - read_ns, host_end + read_ns)
+    ends (each reading ``read_ns`` long), the host's clock running ``host_rate`` times CUPTI's;
+    ``host_begin``: the host's clock at the begin, where it is not ``begin * host_rate``."""
+    first = int(begin * host_rate) if host_begin is None else host_begin
+    last = first + int((end - begin) * host_rate)
+    readings = (first - read_ns, first + read_ns, last - read_ns, last + read_ns)
     return CallWindow(0, begin, begin + 100, end - 100, end, host_ns=readings)
 
 
@@ -338,12 +342,16 @@ def test_a_cupti_clock_that_keeps_time_with_the_hosts_passes() -> None:
     windows = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000) for i in range(100)]
     disagreement = clock_disagreement(windows)
     assert disagreement is not None and not disagreement.too_far
-    assert disagreement.short_ns == disagreement.long_ns == 0
+    assert (disagreement.windows.intervals, disagreement.gaps.intervals) == (100, 99)
+    for stray in (disagreement.windows, disagreement.gaps):
+        assert stray.short_ns == stray.long_ns == 0
     # NTP's slewing (500 ppm), and a pre-empted reading (the bracket 2 ms wide): still in.
     slewed = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000, host_rate=1.0005) for i in range(100)]
     assert not clock_disagreement(slewed).too_far  # type: ignore[union-attr]
     window = bracketed(0, 50_000)
-    pre_empted = CallWindow(0, 0, 100, 49_900, 50_000, host_ns=(-2_000_000, 200, 49_800, 50_200))
+    pre_empted = CallWindow(
+        0, 1_000_000, 1_000_100, 1_049_900, 1_050_000, host_ns=(-2_000_000, 1_000_200, 1_049_800, 1_050_200)
+    )
     assert not clock_disagreement([window, pre_empted]).too_far  # type: ignore[union-attr]
     assert clock_disagreement([CallWindow(0, 0, 1, 2, 3)]) is None  # stamped on the host's clock itself
 
@@ -355,8 +363,10 @@ def test_a_cupti_clock_that_runs_at_another_rate_is_tampering(rate: float) -> No
     windows = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000, host_rate=1 / rate) for i in range(20)]
     disagreement = clock_disagreement(windows)
     assert disagreement is not None and disagreement.too_far
+    assert disagreement.windows.too_far and disagreement.gaps.too_far
     message = clock_tampering(disagreement)
-    assert ("shorter" if rate < 1 else "longer") in message and "timestamp source" in message
+    assert ("shorter" if rate < 1 else "longer") in message and "timed windows" in message
+    assert "timestamp source" in message
 
 
 def test_a_cupti_clock_slowed_only_inside_each_call_is_tampering() -> None:
@@ -367,7 +377,17 @@ def test_a_cupti_clock_slowed_only_inside_each_call_is_tampering() -> None:
         window = bracketed(begin, begin + 20_000)
         windows.append(CallWindow(0, begin, begin + 100, begin + 17_900, begin + 18_000, host_ns=window.host_ns))
     disagreement = clock_disagreement(windows)
-    assert disagreement is not None and disagreement.too_far, disagreement
+    assert disagreement is not None and disagreement.windows.too_far, disagreement
+
+
+def test_a_cupti_clock_slowed_only_between_the_calls_is_tampering() -> None:
+    """Every window the length the host saw, the gaps between them (1 ms each on the host) read a
+    tenth of that on CUPTI's clock: whatever CUPTI sets from its clock there is off."""
+    windows = [bracketed(100_000 * i, 100_000 * i + 50_000, host_begin=1_000_000 * i) for i in range(20)]
+    disagreement = clock_disagreement(windows)
+    assert disagreement is not None and not disagreement.windows.too_far and disagreement.gaps.too_far
+    message = clock_tampering(disagreement)
+    assert "19 gaps between the timed calls" in message and "shorter" in message
 
 
 def test_external_id_blocks_are_unpredictable() -> None:

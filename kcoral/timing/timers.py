@@ -201,12 +201,17 @@ class CuptiTimer:
 
 def clock_tampering(disagreement: ClockDisagreement) -> str:
     """The integrity failure of a CUPTI clock that did not keep time with the host's."""
-    shorter = disagreement.short_ns >= disagreement.long_ns
-    way, off = ("shorter", disagreement.short_ns) if shorter else ("longer", disagreement.long_ns)
+    where, stray = (
+        ("timed windows", disagreement.windows)
+        if disagreement.windows.too_far
+        else ("gaps between the timed calls", disagreement.gaps)
+    )
+    shorter = stray.short_ns >= stray.long_ns
+    way, off = ("shorter", stray.short_ns) if shorter else ("longer", stray.long_ns)
     return (
-        f"CUPTI's clock made the {disagreement.windows} timed windows {off / 1e3:.1f} us {way} in all than the "
-        f"host's own clock read them ({disagreement.host_ns / 1e3:.1f} us): its timestamp source was replaced "
-        "or changed during the measurement"
+        f"CUPTI's clock made the {stray.intervals} {where} {off / 1e3:.1f} us {way} in all than the host's own "
+        f"clock read them ({stray.host_ns / 1e3:.1f} us): its timestamp source was replaced or changed during "
+        "the measurement"
     )
 
 

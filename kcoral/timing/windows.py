@@ -393,46 +393,75 @@ def align(activities: Iterable[Activity], offsets: Sequence[tuple[int | None, in
 
 
 @dataclass(frozen=True)
-class ClockDisagreement:
-    """CUPTI's clock against the trusted host clock over the timed windows: how much shorter (or
-    longer) CUPTI's clock made them than their bracketing host readings allow, in all, and the
-    host's own count of them."""
+class ClockStray:
+    """How much shorter and longer CUPTI's clock made some intervals in all than their bracketing
+    host readings allow, and the host's own count of them."""
 
-    short_ns: int
-    long_ns: int
-    host_ns: int
-    windows: int
+    short_ns: int = 0
+    long_ns: int = 0
+    host_ns: int = 0
+    intervals: int = 0
 
     @property
     def too_far(self) -> bool:
         allowed = CLOCK_DISAGREEMENT_FLOOR_NS + CLOCK_DISAGREEMENT_SHARE * self.host_ns
         return self.short_ns > allowed or self.long_ns > allowed
 
+    def counting(self, cupti_ns: int, least_ns: int, most_ns: int) -> ClockStray:
+        """This with one more interval: ``cupti_ns`` long on CUPTI's clock, at least ``least_ns``
+        and at most ``most_ns`` on the host's."""
+        slack = CLOCK_STEP_NS + CLOCK_RATE_TOLERANCE * max(least_ns, 0)
+        return ClockStray(
+            self.short_ns + max(0, int(least_ns - slack) - cupti_ns),
+            self.long_ns + max(0, cupti_ns - int(most_ns + slack)),
+            self.host_ns + max(0, least_ns),
+            self.intervals + 1,
+        )
+
+
+@dataclass(frozen=True)
+class ClockDisagreement:
+    """CUPTI's clock against the trusted host clock over the timed windows, and over the gaps
+    between them (the timer's own work: flushes, next inputs, snapshots), each judged on its own."""
+
+    windows: ClockStray
+    gaps: ClockStray
+
+    @property
+    def too_far(self) -> bool:
+        return self.windows.too_far or self.gaps.too_far
+
 
 def clock_disagreement(windows: Sequence[CallWindow]) -> ClockDisagreement | None:
-    """How far CUPTI's clock strayed from the trusted host clock over the timed windows (None where
-    no window has host readings).
+    """How far CUPTI's clock strayed from the trusted host clock over the timed windows and the gaps
+    between them (None where no window has host readings).
 
     A window's length on CUPTI's clock (``end_ns - begin_ns``) lies between the host's readings
     around it: at least from just after the begin was read to just before the end was, at most from
-    just before the one to just after the other. A pre-empted reading widens the bracket and never
-    fails it. A clock that runs slower or faster than the host's while the calls run (a program that
-    gave CUPTI a timestamp source of its own, say: every window, record and host time of the
-    measurement is on that clock) reads windows shorter or longer than the host saw them; what
-    each window strays beyond its bracket, a rate and a step, is summed.
+    just before the one to just after the other; a gap's (from one window's end to the next one's
+    begin) likewise. A pre-empted reading widens the bracket and never fails it. A clock that runs
+    slower or faster than the host's (a program that gave CUPTI a timestamp source of its own, say:
+    every window, record and host time of the measurement is then on that clock) reads windows or
+    gaps shorter or longer than the host saw them; what each strays beyond its bracket, a rate and
+    a step, is summed, windows and gaps apart (the gaps are milliseconds where a window may be
+    microseconds: a share of their time would hide a window's stray).
     """
-    short = long = host = counted = 0
+    in_windows, in_gaps = ClockStray(), ClockStray()
+    previous: CallWindow | None = None
     for window in windows:
         if window.host_ns is None:
+            previous = None
             continue
         before_begin, after_begin, before_end, after_end = window.host_ns
-        length = window.end_ns - window.begin_ns
-        least, most = before_end - after_begin, after_end - before_begin
-        slack = CLOCK_STEP_NS + CLOCK_RATE_TOLERANCE * max(least, 0)
-        short += max(0, int(least - slack) - length)
-        long += max(0, length - int(most + slack))
-        host += max(0, least)
-        counted += 1
-    if not counted:
+        in_windows = in_windows.counting(
+            window.end_ns - window.begin_ns, before_end - after_begin, after_end - before_begin
+        )
+        if previous is not None and previous.host_ns is not None:
+            _, _, before_last_end, after_last_end = previous.host_ns
+            in_gaps = in_gaps.counting(
+                window.begin_ns - previous.end_ns, before_begin - after_last_end, after_begin - before_last_end
+            )
+        previous = window
+    if not in_windows.intervals:
         return None
-    return ClockDisagreement(short, long, host, counted)
+    return ClockDisagreement(in_windows, in_gaps)
