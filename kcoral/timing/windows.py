@@ -45,10 +45,11 @@ from kcoral.timing.cupti import (
     busy_ns,
 )
 
-# CUPTI's clock against the host's over the timed windows (clock_disagreement): each window's own
-# readings bracket its length on the host's clock within a few hundred nanoseconds, so an honest
-# clock is inside by construction; what is allowed beyond the bracket is a rate (NTP slews a clock
-# by at most 500 ppm), a step of either clock's readings, and over all windows a floor or a share.
+# CUPTI's clock against the host's over the timed windows and the gaps between them
+# (clock_disagreement): the host's readings bracket each one's length within a few hundred
+# nanoseconds, so an honest clock is inside by construction; what is allowed beyond the bracket is
+# a rate (NTP slews a clock by at most 500 ppm) and a step of either clock's readings apiece, and
+# over all windows (or all gaps) a floor plus a share of their host time.
 CLOCK_RATE_TOLERANCE = 0.002
 CLOCK_STEP_NS = 1_000
 CLOCK_DISAGREEMENT_FLOOR_NS = 20_000
