@@ -128,7 +128,7 @@ def main() -> int:
             probe["at_s"],
             round(probe["start_after_reading_us"], 1),
             round(probe["reading_after_end_us"], 1),
-            "yes" if result["cupti_threads"] == [result.get("timer_thread")] else f"no: {result['cupti_threads']}",
+            "yes" if result["cupti_threads"] == [result["timer_thread"]] else f"no: {result['cupti_threads']}",
         ]
         for result in results
         for probe in result["probes"]

@@ -212,13 +212,6 @@ class _Brackets:
             )
 
 
-def _host_clock_ns(runner: Runner) -> Callable[[], int]:
-    """The host's clock in ns, as the timer captured it at arm (``time.perf_counter``): a clock that
-    no program can replace, against which CUPTI's is checked."""
-    perf_counter = runner.trusted.perf_counter
-    return lambda: int(perf_counter() * 1e9)
-
-
 def timed_calls(
     runner: Runner,
     count: int,
@@ -243,8 +236,9 @@ def timed_calls(
     """
     event = runner.trusted.event
     clock = tracer.timestamp if tracer is not None else runner.clock_ns
-    # CUPTI's clock is checked against the host's over the windows (windows.clock_disagreement).
-    host_clock = _host_clock_ns(runner) if tracer is not None else None
+    # CUPTI's clock is checked against the host's over the windows (windows.clock_disagreement): the
+    # runner's clock, time.perf_counter as captured at arm, which no program can replace.
+    host_clock = runner.clock_ns if tracer is not None else None
     brackets = _Brackets(tracer)
     events = [(event(enable_timing=True), event(enable_timing=True)) for _ in range(count)] if event else []
     windows: list[CallWindow] = []

@@ -448,21 +448,21 @@ def clock_disagreement(windows: Sequence[CallWindow]) -> ClockDisagreement | Non
     microseconds: a share of their time would hide a window's stray).
     """
     in_windows, in_gaps = ClockStray(), ClockStray()
-    previous: CallWindow | None = None
+    last_end: tuple[int, int, int] | None = None  # the previous window's end_ns, with its host readings
     for window in windows:
         if window.host_ns is None:
-            previous = None
+            last_end = None
             continue
         before_begin, after_begin, before_end, after_end = window.host_ns
         in_windows = in_windows.counting(
             window.end_ns - window.begin_ns, before_end - after_begin, after_end - before_begin
         )
-        if previous is not None and previous.host_ns is not None:
-            _, _, before_last_end, after_last_end = previous.host_ns
+        if last_end is not None:
+            end_ns, before_last_end, after_last_end = last_end
             in_gaps = in_gaps.counting(
-                window.begin_ns - previous.end_ns, before_begin - after_last_end, after_begin - before_last_end
+                window.begin_ns - end_ns, before_begin - after_last_end, after_begin - before_last_end
             )
-        previous = window
+        last_end = (window.end_ns, before_end, after_end)
     if not in_windows.intervals:
         return None
     return ClockDisagreement(in_windows, in_gaps)
