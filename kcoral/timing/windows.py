@@ -408,16 +408,18 @@ class ClockStray:
         allowed = CLOCK_DISAGREEMENT_FLOOR_NS + CLOCK_DISAGREEMENT_SHARE * self.host_ns
         return self.short_ns > allowed or self.long_ns > allowed
 
-    def counting(self, cupti_ns: int, least_ns: int, most_ns: int) -> ClockStray:
-        """This with one more interval: ``cupti_ns`` long on CUPTI's clock, at least ``least_ns``
-        and at most ``most_ns`` on the host's."""
-        slack = CLOCK_STEP_NS + CLOCK_RATE_TOLERANCE * max(least_ns, 0)
-        return ClockStray(
-            self.short_ns + max(0, int(least_ns - slack) - cupti_ns),
-            self.long_ns + max(0, cupti_ns - int(most_ns + slack)),
-            self.host_ns + max(0, least_ns),
-            self.intervals + 1,
-        )
+    @classmethod
+    def over(cls, intervals: Iterable[tuple[int, int, int]]) -> ClockStray:
+        """The stray of ``intervals``, each (its length on CUPTI's clock, the least and the most the
+        host's readings around it allow), beyond a step and a rate apiece."""
+        short = long = host = count = 0
+        for cupti_ns, least_ns, most_ns in intervals:
+            slack = CLOCK_STEP_NS + CLOCK_RATE_TOLERANCE * max(least_ns, 0)
+            short += max(0, int(least_ns - slack) - cupti_ns)
+            long += max(0, cupti_ns - int(most_ns + slack))
+            host += max(0, least_ns)
+            count += 1
+        return cls(short, long, host, count)
 
 
 @dataclass(frozen=True)
@@ -447,22 +449,19 @@ def clock_disagreement(windows: Sequence[CallWindow]) -> ClockDisagreement | Non
     a step, is summed, windows and gaps apart (the gaps are milliseconds where a window may be
     microseconds: a share of their time would hide a window's stray).
     """
-    in_windows, in_gaps = ClockStray(), ClockStray()
+    in_windows: list[tuple[int, int, int]] = []
+    in_gaps: list[tuple[int, int, int]] = []
     last_end: tuple[int, int, int] | None = None  # the previous window's end_ns, with its host readings
     for window in windows:
         if window.host_ns is None:
             last_end = None
             continue
         before_begin, after_begin, before_end, after_end = window.host_ns
-        in_windows = in_windows.counting(
-            window.end_ns - window.begin_ns, before_end - after_begin, after_end - before_begin
-        )
+        in_windows.append((window.end_ns - window.begin_ns, before_end - after_begin, after_end - before_begin))
         if last_end is not None:
             end_ns, before_last_end, after_last_end = last_end
-            in_gaps = in_gaps.counting(
-                window.begin_ns - end_ns, before_begin - after_last_end, after_begin - before_last_end
-            )
+            in_gaps.append((window.begin_ns - end_ns, before_begin - after_last_end, after_begin - before_last_end))
         last_end = (window.end_ns, before_end, after_end)
-    if not in_windows.intervals:
+    if not in_windows:
         return None
-    return ClockDisagreement(in_windows, in_gaps)
+    return ClockDisagreement(ClockStray.over(in_windows), ClockStray.over(in_gaps))
