@@ -150,8 +150,19 @@ def timing(url: str, runs: int, churn: bool) -> dict[str, Any]:
             "clock_offsets_us": [
                 (entry.get("integrity_details") or {}).get("clock_offset_us") for entry in row["reports"]
             ],
+            # How much of the clock check's allowance each program's CUPTI clock used (0: inside every
+            # bracket of the host's readings; past 1 the measurement fails with integrity).
+            "clock_stray_shares": [
+                (entry.get("integrity_details") or {}).get("clock_stray_share") for entry in row["reports"]
+            ],
         }
     return {"churn": churn, "churn_programs": summary["churn_programs_completed"], "workloads": rows}
+
+
+def _largest_share(shares: list[float | None]) -> str:
+    """The largest share of the clock check's allowance a program used, in %; "-" where none said."""
+    known = [share for share in shares if share is not None]
+    return f"{max(known) * 100:.1f}" if known else "-"
 
 
 # --- the driver's floor ---------------------------------------------------------------------------
@@ -358,12 +369,13 @@ def main() -> int:
                         (row["max_of_max_ms"] or 0) * 1000,
                         f"{row['ok_programs']}/{row['programs']}",
                         " ".join("-" if o is None else f"{o:g}" for o in row["clock_offsets_us"]),
+                        _largest_share(row["clock_stray_shares"]),
                     ]
                 )
     if timing_rows:
         print_table(
             "benchmark() through each broker (us; spread = max/min - 1 of the programs' medians, %)",
-            ["broker", "workload", "median us", "spread %", "worst call us", "ok", "clock offsets us"],
+            ["broker", "workload", "median us", "spread %", "worst call us", "ok", "clock offsets us", "clock stray %"],
             timing_rows,
         )
     save_json(args.json, report)

@@ -301,6 +301,7 @@ def test_an_honest_call_on_a_simulated_gpu_reads_its_clock_agreeing(simulated_gp
     x = torch.ones(8)
     result = benchmark(lambda: x.add_(1.0), config=CONFIG)
     assert result["integrity"] == {"verdict": "ok", "reasons": []}, result["integrity"]
+    assert 0 <= result["integrity_details"]["clock_stray_share"] <= 1
 
 
 def test_work_launched_between_the_calls_is_foreign(simulated_gpu: SimulatedTracer) -> None:

@@ -345,6 +345,7 @@ def test_a_cupti_clock_that_keeps_time_with_the_hosts_passes() -> None:
     assert (disagreement.windows.intervals, disagreement.gaps.intervals) == (100, 99)
     for stray in (disagreement.windows, disagreement.gaps):
         assert stray.short_ns == stray.long_ns == 0
+    assert disagreement.used == 0
     # NTP's slewing (500 ppm), and a pre-empted reading (the bracket 2 ms wide): still in.
     slewed = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000, host_rate=1.0005) for i in range(100)]
     assert not clock_disagreement(slewed).too_far  # type: ignore[union-attr]
@@ -362,7 +363,7 @@ def test_a_cupti_clock_that_runs_at_another_rate_is_tampering(rate: float) -> No
     and host time then reads short) or fast: the host's own readings around each window disagree."""
     windows = [bracketed(1_000_000 * i, 1_000_000 * i + 50_000, host_rate=1 / rate) for i in range(20)]
     disagreement = clock_disagreement(windows)
-    assert disagreement is not None and disagreement.too_far
+    assert disagreement is not None and disagreement.too_far and disagreement.used > 1
     assert disagreement.windows.too_far and disagreement.gaps.too_far
     message = clock_tampering(disagreement)
     assert ("shorter" if rate < 1 else "longer") in message and "timed windows" in message

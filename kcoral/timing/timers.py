@@ -178,6 +178,9 @@ class CuptiTimer:
             "foreign_ms": round(timings.foreign_ms, 6),
             # The device's records moved onto the host's clock by this much (kcoral.timing.windows).
             "clock_offset_us": round(timings.clock_offset_ns / 1e3, 3),
+            # How much of what the clock check allows CUPTI's clock used (windows.clock_disagreement):
+            # 0 where it kept time with the host's inside every bracket; past 1 fails the measurement.
+            "clock_stray_share": None if disagreement is None else round(disagreement.used, 4),
         }
         return (
             Measurement(

@@ -404,9 +404,17 @@ class ClockStray:
     intervals: int = 0
 
     @property
+    def allowed_ns(self) -> float:
+        return CLOCK_DISAGREEMENT_FLOOR_NS + CLOCK_DISAGREEMENT_SHARE * self.host_ns
+
+    @property
+    def used(self) -> float:
+        """The larger stray's share of what is allowed: 0 inside every bracket, past 1 too far."""
+        return max(self.short_ns, self.long_ns) / self.allowed_ns
+
+    @property
     def too_far(self) -> bool:
-        allowed = CLOCK_DISAGREEMENT_FLOOR_NS + CLOCK_DISAGREEMENT_SHARE * self.host_ns
-        return self.short_ns > allowed or self.long_ns > allowed
+        return self.used > 1
 
     @classmethod
     def over(cls, intervals: Iterable[tuple[int, int, int]]) -> ClockStray:
@@ -429,6 +437,11 @@ class ClockDisagreement:
 
     windows: ClockStray
     gaps: ClockStray
+
+    @property
+    def used(self) -> float:
+        """The larger share of its allowance that the windows' or the gaps' stray used."""
+        return max(self.windows.used, self.gaps.used)
 
     @property
     def too_far(self) -> bool:
