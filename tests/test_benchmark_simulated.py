@@ -43,9 +43,15 @@ class SimulatedTracer:
         # A timestamp source of the program's own (CUPTI's activity_register_timestamp_callback):
         # from the moment it is given (rate, host ns, own ns), its clock runs at that rate.
         self.clock_given: list[tuple[float, int, int]] = []
+        # Steps of the host's wall clock (an operator's, NTP's), ns: CUPTI's timestamps follow it.
+        self.wall_steps_ns: list[int] = []
+
+    def wall_ns(self) -> int:
+        """The host's wall clock, with its steps: the trusted wall clock of the simulated state."""
+        return time.time_ns() + sum(self.wall_steps_ns)
 
     def timestamp(self) -> int:
-        now = time.perf_counter_ns()
+        now = time.perf_counter_ns() + sum(self.wall_steps_ns)
         if not self.clock_given:
             return now
         rate, host_at, own_at = self.clock_given[-1]
@@ -133,7 +139,7 @@ def simulated_gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatedTracer]:
     state = trust.ArmedState(
         tracer=tracer,  # type: ignore[arg-type]
         cupti_error=None,
-        trusted=trust._capture_trusted(),
+        trusted=dataclasses.replace(trust._capture_trusted(), wall_ns=tracer.wall_ns),
         modules={},
         snapshot=trust.Snapshot(),
         threads_at_arm=frozenset(),
@@ -295,6 +301,29 @@ def test_a_cupti_clock_replaced_by_the_program_fails_with_integrity(simulated_gp
         benchmark(replaces_the_clock, config=CONFIG)
     assert failure.value.kind == "integrity"
     assert "CUPTI's clock made the" in str(failure.value), failure.value
+
+
+@pytest.mark.parametrize("step_us", [500, -500])
+def test_a_step_of_the_hosts_wall_clock_reads_suspect_not_tampering(
+    simulated_gpu: SimulatedTracer, step_us: int
+) -> None:
+    """The host's wall clock, which CUPTI's timestamps follow, is stepped (by an operator or NTP,
+    here inside the seventh timed call): the window around it disagrees with the host's monotonic clock,
+    which is the step's doing, not the program's; the measurement is suspect and says why."""
+    x = torch.ones(8)
+    calls = itertools.count()
+
+    def honest() -> Any:
+        if next(calls) == 18:  # CONFIG: 24 calls in all, the last 12 of them timed
+            simulated_gpu.wall_steps_ns.append(step_us * 1000)
+        return x.add_(1.0)
+
+    result = benchmark(honest, config=CONFIG)
+    assert result["integrity"]["verdict"] == "suspect", result["integrity"]
+    (reason,) = [r for r in result["integrity"]["reasons"] if "wall clock was stepped" in r]
+    assert ("forward" if step_us > 0 else "back") in reason and f"{abs(step_us)}.0 us" in reason
+    assert result["integrity_details"]["wall_clock_step_us"] == pytest.approx(step_us, abs=5)
+    assert result["integrity_details"]["clock_stray_share"] > 1
 
 
 def test_an_honest_call_on_a_simulated_gpu_reads_its_clock_agreeing(simulated_gpu: SimulatedTracer) -> None:

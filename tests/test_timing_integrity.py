@@ -459,6 +459,9 @@ class FakeRunner:
     def clock_ns(self) -> int:
         return 0
 
+    def wall_offset_ns(self) -> int:
+        return 0
+
 
 def test_each_call_runs_in_its_own_window_between_device_syncs() -> None:
     log: list[str] = []

@@ -94,6 +94,20 @@ class Runner:
     def clock_ns(self) -> int:
         return int(self._perf_counter() * 1e9)
 
+    def wall_offset_ns(self) -> int:
+        """The host's wall clock less its monotonic one (``clock_ns``), read between two readings of
+        the latter, the tightest of three tries (a reading pre-empted between them is not taken):
+        it moves only where the wall clock is stepped (NTP slews both alike)."""
+        best: tuple[int, int] | None = None
+        for _ in range(3):
+            before = self.clock_ns()
+            wall = self.trusted.wall_ns()
+            after = self.clock_ns()
+            if best is None or after - before < best[0]:
+                best = (after - before, wall - (before + after) // 2)
+        assert best is not None
+        return best[1]
+
     def iteration(self) -> float:
         """Inputs, flush, call, synchronise; return the host time the call took to launch its work (ms)."""
         _, inputs = self.next_inputs()
@@ -153,6 +167,9 @@ class TimedCalls:
     stack_changes: list[str] = field(default_factory=list)
     trailing_end_ns: int | None = None
     first_input_index: int = 0
+    # How far the host's wall clock was stepped while the calls ran (Runner.wall_offset_ns; 0 where
+    # CUPTI's clock was not read): CUPTI's timestamps follow that clock.
+    wall_step_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,6 +262,7 @@ def timed_calls(
     previous: tuple[Any, Any] | None = None
     first_index = runner.next_index
     runner.synchronize()
+    wall_before = runner.wall_offset_ns() if host_clock else 0
     if tracer is not None:
         tracer.enable(correlation=True)
     try:
@@ -306,9 +324,10 @@ def timed_calls(
         previous = None
         runner.synchronize()
         trailing_end_ns = clock()
+        wall_step_ns = runner.wall_offset_ns() - wall_before if host_clock else 0
     finally:
         if tracer is not None:
             tracer.disable()
     del previous
     event_ms = [float(start.elapsed_time(end)) for start, end in events] if events else []
-    return TimedCalls(event_ms, windows, brackets.changes, trailing_end_ns, first_index)
+    return TimedCalls(event_ms, windows, brackets.changes, trailing_end_ns, first_index, wall_step_ns)

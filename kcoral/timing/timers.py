@@ -22,7 +22,13 @@ from kcoral.timing.cupti import (
 from kcoral.timing.inputs import KeptOutput
 from kcoral.timing.nvml import Nvml, clock_state
 from kcoral.timing.stats import activities_stable
-from kcoral.timing.windows import ClockDisagreement, WindowTimings, attribute, clock_disagreement
+from kcoral.timing.windows import (
+    WALL_CLOCK_STEP_NS,
+    ClockDisagreement,
+    WindowTimings,
+    attribute,
+    clock_disagreement,
+)
 
 # The launch hold: a one-thread GPU spin before each counted call, long enough for the host to
 # launch the whole call behind it. First guess: this multiple of the untraced launch time plus the
@@ -147,21 +153,33 @@ class CuptiTimer:
         timings, record_errors = _timings(self._tracer, calls, base)
         tampering = list(calls.stack_changes)
         tampering.extend(f"CUPTI record processing failed: {error}" for error in record_errors[:3])
+        # What the records say of the timer's own work, read on CUPTI's clock.
+        on_cuptis_clock: list[str] = []
         if timings.forged_activities:
-            tampering.append(
+            on_cuptis_clock.append(
                 f"{timings.forged_activities} GPU activities carried the timer's own external ids without being "
                 f"its work (the ids were read from the timer and reused to hide work): {timings.forged_summary()}"
             )
-        tampering.extend(own_records_missing(timings, repeat, hold_cycles > 0, counted.runner.flush_shape is not None))
+        on_cuptis_clock.extend(
+            own_records_missing(timings, repeat, hold_cycles > 0, counted.runner.flush_shape is not None)
+        )
         disagreement = clock_disagreement(calls.windows)
         if disagreement is not None and disagreement.too_far:
-            tampering.append(clock_tampering(disagreement))
+            on_cuptis_clock.append(clock_tampering(disagreement))
         for kind in sorted(self.probe_kinds - timings.sentinels_seen):
-            tampering.append(
+            on_cuptis_clock.append(
                 f"CUPTI recorded the timer's own {kind} before the timed calls but not after them: "
                 "its activity kinds or callbacks were changed"
             )
         reasons = cupti_reasons(timings, self.probe_signature, self.probe_kinds)
+        if abs(calls.wall_step_ns) > WALL_CLOCK_STEP_NS:
+            # The host's wall clock was stepped meanwhile (no program in the sandbox can): CUPTI's
+            # timestamps jumped with it, and records may sit in the wrong windows. Not tampering
+            # then, but nothing to trust either: suspect, with what the records seemed to say.
+            reasons.append(wall_clock_stepped(calls.wall_step_ns))
+            reasons.extend(on_cuptis_clock)
+        else:
+            tampering.extend(on_cuptis_clock)
         if not timings.spans_ms:
             raise ExecutionError("unavailable", "the benchmarked call launched no GPU work during the counted calls")
         counts = {len(signature) for signature in timings.signatures}
@@ -181,6 +199,8 @@ class CuptiTimer:
             # How much of what the clock check allows CUPTI's clock used (windows.clock_disagreement):
             # 0 where it kept time with the host's inside every bracket; past 1 fails the measurement.
             "clock_stray_share": None if disagreement is None else round(disagreement.used, 4),
+            # How far the host's wall clock, which CUPTI's timestamps follow, was stepped meanwhile.
+            "wall_clock_step_us": round(calls.wall_step_ns / 1e3, 3),
         }
         return (
             Measurement(
@@ -200,6 +220,15 @@ class CuptiTimer:
             ),
             after,
         )
+
+
+def wall_clock_stepped(step_ns: int) -> str:
+    """The reason a measurement is suspect when the host's wall clock was stepped while it ran."""
+    way = "forward" if step_ns > 0 else "back"
+    return (
+        f"the host's wall clock was stepped {way} by {abs(step_ns) / 1e3:.1f} us during the measurement; "
+        "CUPTI's timestamps follow it, so the timed windows cannot be trusted: measure again"
+    )
 
 
 def clock_tampering(disagreement: ClockDisagreement) -> str:

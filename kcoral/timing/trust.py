@@ -94,6 +94,7 @@ WATCHED_FOREIGN: Final = (
     ("cupti.cupti", "activity_pop_external_correlation_id"),
     ("cupti.cupti", "get_timestamp"),
     ("time", "perf_counter"),
+    ("time", "time_ns"),
     ("statistics", "median"),
     ("statistics", "fmean"),
     ("statistics", "stdev"),
@@ -243,6 +244,9 @@ class Trusted:
     spin: Callable[[int], None] | None
     event: Any
     perf_counter: Callable[[], float]
+    # The host's wall clock, which CUPTI's timestamps follow (CLOCK_REALTIME on Linux; read
+    # against perf_counter's CLOCK_MONOTONIC it tells a step of the wall clock: Runner.wall_offset_ns).
+    wall_ns: Callable[[], int]
     median: Callable[..., float]
     randbelow: Callable[[int], int]
     gc_disable: Callable[[], None]
@@ -309,6 +313,7 @@ def _capture_trusted() -> Trusted:
         spin=getattr(cuda, "_sleep", None),
         event=getattr(cuda, "Event", None),
         perf_counter=time.perf_counter,
+        wall_ns=time.time_ns,
         median=statistics.median,
         randbelow=secrets.randbelow,
         gc_disable=gc.disable,

@@ -54,6 +54,12 @@ CLOCK_RATE_TOLERANCE = 0.002
 CLOCK_STEP_NS = 1_000
 CLOCK_DISAGREEMENT_FLOOR_NS = 20_000
 CLOCK_DISAGREEMENT_SHARE = 0.01
+# CUPTI's timestamps follow the host's wall clock (CLOCK_REALTIME: the two read within 4 us on an
+# H100 host), which an operator or NTP may step; the trusted readings are CLOCK_MONOTONIC, which is
+# never stepped. A step past this while the calls ran makes the windows untrustworthy (suspect), and
+# a clock disagreement then is the step's, not tampering: a program in the sandbox holds no
+# CAP_SYS_TIME to step the clock with.
+WALL_CLOCK_STEP_NS = 10_000
 
 ROLE_CALL = "call"
 ROLE_HOLD = "hold"
