@@ -9,7 +9,7 @@
 # Installs the wheels in .whl/ (when there) and the project, non-editable, into the interpreter's
 # own site-packages (a bubblewrap sandbox sees those), then runs each step with its own time limit,
 # one log per step under $OUT and a summary in $OUT/summary.txt. A failing step does not stop the
-# others. The limits add up to under 9 minutes; the first run on the H200 took 4.
+# others. The limits add up to under 10 minutes; the first run on the H200 took 4.
 #
 # What to read afterwards:
 #   $OUT/attacks.txt         one line per attack: honest ms, reported ms, ratio, verdict, how
@@ -17,6 +17,7 @@
 #   $OUT/timing-ncu.log      benchmark() vs Nsight Compute per workload, in one process
 #   $OUT/timing-service.log  10 programs per workload: medians, spread, verdicts, worst vs ncu, pass
 #   $OUT/defences-cost.log   what the defences cost benchmark(): timed inside, and on against off
+#   $OUT/wall-clock-step.log benchmark() while the wall clock is stepped: each step read, never integrity
 set -u
 
 OUT=${OUT:-/tmp/kcoral-gpu-batch-integrity}
@@ -76,5 +77,9 @@ trap - EXIT
 # The defences' cost on the honest workloads' benchmark() time: timed inside each call, and on
 # against off in turns (6 rounds after 2 thrown away, default and fixed-count configs).
 step defences-cost 150 "$PY" benchmarks/timing.py --defences-cost 6 --json "$OUT/defences-cost.json"
+
+# A step of the host's wall clock (which CUPTI's timestamps follow) inside a measurement reads
+# suspect, never integrity or ok: benchmark() in a loop while a helper steps the clock +-500 us.
+step wall-clock-step 60 "$PY" benchmarks/wall_clock_step.py --step-the-clock --runs 16
 
 echo "done; logs in $OUT" | tee -a "$SUMMARY"
