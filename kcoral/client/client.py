@@ -445,6 +445,10 @@ class AsyncClient:
             return  # a reply we cannot read is dropped; the request times out visibly
         if command == protocol.HEARTBEAT:
             return
+        if self._state is ClientState.CLOSED:
+            # Closing cancels what runs; the broker's answer to that CANCEL is not the caller's:
+            # its call ends with "the client was closed" once the socket is gone.
+            return
         queue = self._pending.get(str(body.get("request_id")))
         if queue is not None:
             queue.put_nowait((command, body, frames))
