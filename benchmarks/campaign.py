@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import print_table, save_json
 from kcoral import AsyncClient, KCoralError, Program, ProgramResult, protocol
+from kcoral.sandbox.bubblewrap import SHARED_MEMORY
 from kcoral.testing import RunningService, start_broker
+from kcoral.worker import run_directory
 from tests.hostile_programs import FLOOD, SPREAD
 
 FLAGS = (
@@ -370,7 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         rss_after = broker.memory_info().rss
         slots = service.run_dir / "slots" if service.run_dir else None
         slot_dirs = list(slots.iterdir()) if slots is not None and slots.exists() else []
-        workspace_entries = sum(1 for slot in slot_dirs for p in slot.iterdir() if p.name != ".shm")
+        # Beyond a clean slot's: the run directory made ready for the next worker is one.
+        workspace_left = [
+            f"{slot.name}/{entry}"
+            for slot in slot_dirs
+            for entry in run_directory.leftovers(slot, besides=(SHARED_MEMORY.name,))
+        ]
         alive = service.process.poll() is None and health["status"] == "ok"
         accounting = health.get("memory_accounting") or {"kind": "unknown"}
     finally:
@@ -402,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "broker_exit_code": code,
         "program_processes_left": leftovers,
         "leases_held": sum(1 for lease in health["leases"].values() if lease["holder"] is not None),
-        "workspace_entries_left": workspace_entries,
+        "workspace_entries_left": len(workspace_left),
         "memory_accounting": accounting.get("kind"),
         "memory_cgroups_left": cgroups_left,
         "rss_mib": {
@@ -415,10 +422,13 @@ def main(argv: list[str] | None = None) -> int:
         "cache_entries": cache["entries"],
         "wall_s": round(wall, 1),
         "misses": [f"{o.kind}: {o.fate}" for o in campaign.outcomes if not o.met][:40],
+        "workspace_left": workspace_left[:40],
     }
-    print(textwrap.indent("\n".join(f"{k}: {v}" for k, v in summary.items() if k != "misses"), "  "))
+    print(textwrap.indent("\n".join(f"{k}: {v}" for k, v in summary.items() if not isinstance(v, list)), "  "))
     for miss in summary["misses"]:
         print("  missed:", miss)
+    for entry in summary["workspace_left"]:
+        print("  left in a slot's workspace:", entry)
     if args.json:
         save_json(args.json, {"summary": summary, "kinds": {k: dict(v) for k, v in by_kind.items()}})
     good = (
@@ -427,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         and alive
         and leftovers == 0
         and summary["leases_held"] == 0
-        and workspace_entries == 0
+        and not workspace_left
         and cgroups_left == 0
     )
     return 0 if good else 1

@@ -25,9 +25,8 @@ import pytest
 
 from kcoral import Client, KCoralError, Program, ProgramResult
 from kcoral.cli import EXIT_CONFIG
-from kcoral.sandbox.bubblewrap import BLOBS, WORKSPACE, SandboxUnavailable, check_bwrap
-from kcoral.worker.capture import OUTPUT_FILES
-from kcoral.worker.run_directory import OUTPUT_DIRECTORY, READY_NAME, SUBDIRECTORIES
+from kcoral.sandbox.bubblewrap import BLOBS, SHARED_MEMORY, WORKSPACE, SandboxUnavailable, check_bwrap
+from kcoral.worker.run_directory import leftovers
 from tests.helpers import RunningBroker, free_port, start_broker
 
 try:
@@ -137,8 +136,7 @@ class Sandboxed:
         """What the slots hold on the host beyond the mount point of shared memory, by slot."""
         found = {}
         for slot in sorted(self.slots_dir.iterdir()):
-            entries = sorted(p.name for p in slot.iterdir() if p.name not in (".shm", READY_NAME))
-            entries += [f"{READY_NAME}/{name}" for name in ready_leftovers(slot / READY_NAME)]
+            entries = leftovers(slot, besides=(SHARED_MEMORY.name,))
             shm = self.broker.run_dir / "shm" / slot.name
             entries += [f"shm/{p.name}" for p in shm.iterdir()] if shm.is_dir() else []
             if entries:
@@ -151,32 +149,6 @@ class Sandboxed:
         while (left := self.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.05)
         return left
-
-
-def ready_leftovers(ready: Path) -> list[str]:
-    """What the next worker's run directory holds beyond its four directories, empty but for the
-    two empty output files the zygote makes ahead (it is part of a clean slot:
-    kcoral.worker.run_directory, kcoral.worker.capture.prepare_output_files)."""
-    if not ready.exists():
-        return []
-    if ready.is_symlink() or not ready.is_dir():
-        return ["(not a directory)"]
-    left = [p.name for p in ready.iterdir() if p.name not in SUBDIRECTORIES or not p.is_dir() or p.is_symlink()]
-    left += [
-        f"{p.parent.name}/{p.name}"
-        for name in SUBDIRECTORIES
-        if (ready / name).is_dir()
-        for p in (ready / name).iterdir()
-        if not _made_ahead(p)
-    ]
-    return sorted(left)
-
-
-def _made_ahead(path: Path) -> bool:
-    """An output file as the zygote makes it for the next worker: regular, empty."""
-    if path.parent.name != OUTPUT_DIRECTORY or path.name not in OUTPUT_FILES or path.is_symlink():
-        return False
-    return path.is_file() and path.stat().st_size == 0
 
 
 def start_sandboxed(root: Path, *extra: str) -> Sandboxed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 from kcoral.worker import run_directory
 from kcoral.worker.capture import OUTPUT_FILE_MODE, OUTPUT_FILES, OutputCapture, prepare_output_files
-from kcoral.worker.run_directory import OUTPUT_DIRECTORY, READY_NAME, SUBDIRECTORIES, RunDirectory
+from kcoral.worker.run_directory import OUTPUT_DIRECTORY, READY_NAME, SUBDIRECTORIES, RunDirectory, leftovers
 
 FS_NODUMP_FL = 0x40  # chattr +d: an inode flag a file's owner may set
 
@@ -205,3 +206,25 @@ def test_output_files_made_ahead_hold_only_what_the_program_writes(tmp_path: Pat
         report = json.loads(pipe.read() or b"null")
     assert os.waitpid(pid, 0)[1] == 0
     assert report == ["fresh", False, "0123456789", True]
+
+
+def test_a_clean_slot_holds_only_the_next_workers_directory_and_anything_else_is_named(tmp_path: Path) -> None:
+    zygote_made(tmp_path)
+    prepare_output_files(tmp_path / READY_NAME / OUTPUT_DIRECTORY)
+    (tmp_path / ".shm").mkdir()  # a sandbox's mount point
+    assert leftovers(tmp_path, besides=(".shm",)) == []
+    assert leftovers(tmp_path) == [".shm"]
+    ready = tmp_path / READY_NAME
+    (ready / OUTPUT_DIRECTORY / OUTPUT_FILES[1]).write_text("written before the wipe")
+    (ready / "tmp" / "left.bin").write_bytes(b"x")
+    (ready / "extra").mkdir()
+    (tmp_path / "run-0123").mkdir()
+    assert leftovers(tmp_path, besides=(".shm",)) == [
+        "run-0123",
+        f"{READY_NAME}/extra",
+        f"{READY_NAME}/output/stderr",
+        f"{READY_NAME}/tmp/left.bin",
+    ]
+    shutil.rmtree(ready)
+    ready.symlink_to(tmp_path / "run-0123")
+    assert leftovers(tmp_path, besides=(".shm",)) == ["run-0123", f"{READY_NAME} (not a directory)"]

@@ -30,10 +30,12 @@ import fcntl
 import os
 import stat
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from kcoral.worker import workspace as workspace_files
+from kcoral.worker.capture import OUTPUT_FILES
 
 OUTPUT_DIRECTORY = "output"  # the program's captured stdout and stderr (kcoral.worker.capture)
 SUBDIRECTORIES = ("work", "home", "tmp", OUTPUT_DIRECTORY)
@@ -185,6 +187,38 @@ class RunDirectory:
         except OSError:
             return False
         return True
+
+
+def leftovers(workspace: Path, *, besides: Collection[str] = ()) -> list[str]:
+    """What a slot's workspace holds beyond a clean slot, sorted: a clean one holds only the
+    zygote's READY_NAME for the next worker, its four directories empty but for the two empty
+    output files made ahead (:func:`kcoral.worker.capture.prepare_output_files`). Entries named in
+    ``besides`` (a sandbox's mount points) are not counted."""
+    left = [p.name for p in workspace.iterdir() if p.name not in besides and p.name != READY_NAME]
+    ready = workspace / READY_NAME
+    if ready.is_symlink() or (ready.exists() and not ready.is_dir()):
+        return sorted([*left, f"{READY_NAME} (not a directory)"])
+    if ready.is_dir():
+        left += [
+            f"{READY_NAME}/{p.name}" for p in ready.iterdir() if p.name not in SUBDIRECTORIES or not _a_directory(p)
+        ]
+        left += [
+            f"{READY_NAME}/{name}/{p.name}"
+            for name in SUBDIRECTORIES
+            if _a_directory(ready / name)
+            for p in (ready / name).iterdir()
+            if not (name == OUTPUT_DIRECTORY and _made_ahead(p))
+        ]
+    return sorted(left)
+
+
+def _a_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _made_ahead(path: Path) -> bool:
+    """An output file as the zygote makes it for the next worker: regular and empty."""
+    return path.name in OUTPUT_FILES and not path.is_symlink() and path.is_file() and path.stat().st_size == 0
 
 
 def _describe(path: Path) -> _Made:
