@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Unpack
 
 import pytest
@@ -22,7 +23,7 @@ def called_from(name: str) -> bool:
     """Whether a function of that name is on the stack above the caller of this function's caller:
     for a candidate that acts only when the timer calls it from a given place (the timer calls
     through its runner, so that place is a frame or more up)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == name:
             return True

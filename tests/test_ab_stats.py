@@ -4,6 +4,7 @@ verdicts, the adaptive stop, the clock filter and the config."""
 from __future__ import annotations
 
 import random
+from typing import TypedDict
 
 import pytest
 
@@ -113,8 +114,15 @@ def test_round_ratio_and_trimmed_mean() -> None:
     assert noise([1.0]) is None and noise([1.0, 1.0]) == 0.0
 
 
+class StopLimits(TypedDict):
+    min_rounds: int
+    max_rounds: int
+    target_halfwidth: float
+    budget_ms: float
+
+
 def test_the_adaptive_stop_says_which_ended_it() -> None:
-    base = {"min_rounds": 8, "max_rounds": 100, "target_halfwidth": 0.002, "budget_ms": 1000.0}
+    base: StopLimits = {"min_rounds": 8, "max_rounds": 100, "target_halfwidth": 0.002, "budget_ms": 1000.0}
     assert stop_reason(rounds=8, halfwidth=0.001, elapsed_ms=10, **base) == "target"
     assert stop_reason(rounds=7, halfwidth=0.001, elapsed_ms=10, **base) is None  # too few rounds yet
     assert stop_reason(rounds=8, halfwidth=0.01, elapsed_ms=10, **base) is None

@@ -6,6 +6,7 @@ import array
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,7 @@ StoreFactory = Callable[..., BlobStore]
 def make_store(tmp_path: Path) -> StoreFactory:
     """A BlobStore from settings keywords; ``disk=True`` gives it a disk tier under tmp_path."""
 
-    def make(*, disk: bool = False, **settings: int) -> BlobStore:
+    def make(*, disk: bool = False, **settings: Any) -> BlobStore:
         disk_dir = tmp_path / "blobs" if disk else None
         return BlobStore(BlobStoreSettings(disk_dir=disk_dir, **settings))
 

@@ -14,7 +14,7 @@ import ast
 import re
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -122,7 +122,7 @@ def is_local(module: str, path: Path, root: Path) -> bool:
     return (here / f"{module}.py").exists() or (here / module / "__init__.py").exists()
 
 
-def distributions_of(module: str, installed: dict[str, list[str]]) -> set[str]:
+def distributions_of(module: str, installed: Mapping[str, list[str]]) -> set[str]:
     found = {normalise(d) for d in installed.get(module, [])}
     if not found and module in NOT_INSTALLED_HERE:
         found = {normalise(NOT_INSTALLED_HERE[module])}

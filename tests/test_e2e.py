@@ -210,7 +210,7 @@ def test_parse_error_for_bad_reference_in_wire_program(shared_broker) -> None:  
     program._instructions[2]["fn"] = "nowhere"
     with Client(shared_broker.url) as client:
         result = client.execute(program)
-    assert result.status == "FAILED"
+    assert result.status == "FAILED" and result.error is not None
     assert result.error["kind"] == "parse" and result.error["instruction_index"] == 2
 
 
@@ -299,7 +299,8 @@ def test_return_file_outside_workdir_is_refused(client: Client) -> None:
     program.run(fn=program.get_function(module=module, name="f"))
     program.return_file(key="leak", path="link")
     result = client.execute(program)
-    assert result.status == "FAILED" and "outside the working directory" in result.error["message"]
+    assert result.status == "FAILED" and result.error is not None
+    assert "outside the working directory" in result.error["message"]
 
 
 def test_working_directory_environment(client: Client) -> None:

@@ -258,7 +258,7 @@ def test_a_large_upload_is_hashed_off_the_loop_and_then_queued() -> None:
 
 
 def test_the_admission_checks_are_pure_functions() -> None:
-    no = dict(already_in_flight=False, draining=False, waiting=0, max_queued=1)
+    no: dict[str, Any] = dict(already_in_flight=False, draining=False, waiting=0, max_queued=1)
     assert refuse_new_request(service="router", **no) is None
     assert refuse_new_request(service="router", **{**no, "draining": True}) == (
         "busy",

@@ -129,15 +129,21 @@ class Sandboxed:
     host_secret: Path
 
     @property
+    def run_dir(self) -> Path:
+        """The broker's --run-dir (start_broker gives every broker one)."""
+        assert self.broker.run_dir is not None
+        return self.broker.run_dir
+
+    @property
     def slots_dir(self) -> Path:
-        return self.broker.run_dir / "slots"
+        return self.run_dir / "slots"
 
     def leftovers(self) -> dict[str, list[str]]:
         """What the slots hold on the host beyond the mount point of shared memory, by slot."""
         found = {}
         for slot in sorted(self.slots_dir.iterdir()):
             entries = leftovers(slot, besides=(SHARED_MEMORY.name,))
-            shm = self.broker.run_dir / "shm" / slot.name
+            shm = self.run_dir / "shm" / slot.name
             entries += [f"shm/{p.name}" for p in shm.iterdir()] if shm.is_dir() else []
             if entries:
                 found[slot.name] = entries
@@ -245,7 +251,7 @@ def test_cannot_write_the_runtime_or_root_but_reads_readonly_paths(sandboxed: Sa
         "/tmp",
         str(sandboxed.readonly_dir),
         str(BLOBS),
-        str(sandboxed.broker.run_dir / "ipc"),
+        str(sandboxed.run_dir / "ipc"),
     ]
     data = str(sandboxed.readonly_dir / "data.txt")
     seen = probe(sandboxed, {"write": [*targets, "."], "read": [data]})
@@ -445,6 +451,7 @@ def test_sandbox_none_runs_programs_on_the_host(tmp_path: Path) -> None:
     broker = start_broker(tmp_path, "--sandbox", "none", "--fake-gpus", "1")
     try:
         result = run(broker.url, "import os\ndef cwd():\n    return os.getcwd()\n", "cwd")
+        assert broker.run_dir is not None
         assert Path(result.results["out"]).is_relative_to(broker.run_dir / "slots")
         with Client(broker.url) as client:
             assert client.health()["sandbox"] == "none"
@@ -498,7 +505,7 @@ def test_program_cannot_pose_as_a_worker(hostile: Sandboxed) -> None:
         context.term()
         return bool(got)
     """
-    endpoint = f"ipc://{hostile.broker.run_dir / 'ipc' / 'workers.sock'}"
+    endpoint = f"ipc://{hostile.run_dir / 'ipc' / 'workers.sock'}"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         posing = pool.submit(run, hostile.broker.url, textwrap.dedent(impostor), "pose", endpoint, 4.0)
         time.sleep(1.0)

@@ -93,7 +93,9 @@ def test_multi_gpu_sets_all_or_nothing_and_no_starvation(broker_factory) -> None
     assert third_start >= min(pair_a.results["span"]["end"], pair_b.results["span"]["end"]) - 0.05
 
     # A 3-GPU program is not starved by a stream of single-GPU programs arriving after it.
-    jobs = [(sleeper(0.6), {})] + [(sleeper(0.3), {"gpu_count": 3})] + [(sleeper(0.6), {}) for _ in range(6)]
+    jobs: list[tuple[Program, dict[str, Any]]] = (
+        [(sleeper(0.6), {})] + [(sleeper(0.3), {"gpu_count": 3})] + [(sleeper(0.6), {}) for _ in range(6)]
+    )
     results = asyncio.run(run_all(broker.url, jobs, stagger=0.1))
     big = results[1]
     assert big.completed and len(big.gpu_ids) == 3

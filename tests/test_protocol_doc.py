@@ -292,7 +292,7 @@ def test_blobs_attached_to_execute_skip_negotiation(client: RawClient) -> None:
 
 
 def test_a_failed_instruction_is_data(client: RawClient) -> None:
-    instructions = [
+    instructions: list[dict[str, Any]] = [
         {"op": "upload", "id": "mod", "kind": "module", "source": "def boom():\n    raise KeyError('no')\n"},
         {"op": "return", "id": "early", "key": "early", "value": [1, 2]},
         {"op": "get_function", "id": "fn", "module": "mod", "name": "boom", "cpu_only": True},

@@ -56,7 +56,7 @@ def seeded_program() -> tuple[Program, np.ndarray]:
 
 
 def test_the_program_digests() -> None:
-    program = {
+    program: dict[str, Any] = {
         "instructions": [
             {"op": "upload", "id": "m", "kind": "module", "source": "x = 1\n"},
             {"op": "upload", "id": "b", "kind": "bytes", "blob": "ab" * 32, "size": 3},

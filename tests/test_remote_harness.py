@@ -19,7 +19,7 @@ from kcoral.timing import findings
 from kcoral.workloads import bracket, harness
 from kcoral.workloads.channel import MessageReader, deadline_after, send_message
 from kcoral.workloads.format import load_workload
-from kcoral.workloads.ipc import BufferMeta
+from kcoral.workloads.ipc import BufferMeta, SharedBuffer
 from kcoral.workloads.session import OUTPUTS_KEPT, Reservoir, RoleFailed, RoleResult, Session, fresh_seed
 
 torch = pytest.importorskip("torch")
@@ -377,7 +377,9 @@ def test_the_programs_stdout_can_go_to_stderr(capsys: pytest.CaptureFixture[str]
 # ----------------------------------------------------------------------------- the timer's calls
 
 
-class _Buffer:
+class _Buffer(SharedBuffer):
+    """A shared buffer's stand-in on the CPU: its tensor and meta, nothing allocated."""
+
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
         self.meta = BufferMeta.of(torch, tensor)
@@ -460,7 +462,7 @@ def _measure_session(tmp_path: Path, stub: str) -> Session:
     session.sets = [[_Buffer(torch.zeros(4))]]
     session.inputs = session.sets[0]
     session.outputs = [output]
-    session.output = output  # type: ignore[assignment]
+    session.output = output
     return session
 
 

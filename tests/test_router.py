@@ -296,6 +296,7 @@ class FakeNode:
 
 @contextlib.asynccontextmanager
 async def fake_nodes(router: RunningRouter, *node_ids: str) -> AsyncIterator[list[FakeNode]]:
+    assert router.nodes_url is not None
     context = zmq.asyncio.Context()
     nodes = [FakeNode(context, router.nodes_url, n) for n in node_ids]
     try:
@@ -348,6 +349,7 @@ def test_the_router_survives_bad_messages_from_clients_and_nodes(
     router_factory: Callable[..., RunningRouter],
 ) -> None:
     router = router_factory()
+    assert router.nodes_url is not None
     context = zmq.Context()
     try:
         client = context.socket(zmq.DEALER)

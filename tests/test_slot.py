@@ -782,6 +782,7 @@ def test_5_results_of_any_size_end_completed_or_clearly_failed(
         assert 0 < len(result.stdout.encode()) <= 64 << 20
     else:
         assert_failed(result, kind, *words)
+        assert result.error is not None
         assert "worker exited" not in result.error["message"]
 
 
@@ -795,6 +796,7 @@ def test_5_a_value_at_the_bound_of_a_results_body_completes_and_one_byte_more_fa
         assert len(result.results["out"]) > 50 << 20
     else:
         assert_failed(result, kind, "bytes of the result's body")
+        assert result.error is not None
         assert "worker exited" not in result.error["message"]
 
 
@@ -912,6 +914,7 @@ def test_6_values_whose_own_methods_raise_fail_the_return_not_the_worker(
 ) -> None:
     result = execute(service.url, program_of(RAISING_VALUES, name, cpu_only=True))
     assert_failed(result, kind)
+    assert result.error is not None
     assert "worker exited" not in result.error["message"]
     assert result.error["instruction_op"] == ("return" if kind == "serialization" else "run")
 
@@ -1189,6 +1192,7 @@ def pose(endpoint, wait_s):
 
 
 def test_9_a_program_cannot_pose_as_a_worker_or_speak_for_its_zygote(service: Service) -> None:
+    assert service.broker.run_dir is not None
     endpoint = f"ipc://{service.broker.run_dir / 'ipc' / 'workers.sock'}"
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         posing = pool.submit(execute, service.url, program_of(IMPOSTOR, "pose", endpoint, 3.0, cpu_only=True))
@@ -1301,6 +1305,7 @@ def test_10_a_program_cannot_poison_other_clients_cached_blobs(service: Service)
     )
     first = execute(service.url, summing)
     assert first.completed, first.error
+    assert service.broker.run_dir is not None
     cache_dir = str(service.broker.run_dir.parent / "cache")
     poisoned = execute(service.url, program_of(POISONER, "poison", cache_dir, digest, cpu_only=True))
     assert poisoned.completed, poisoned.error

@@ -592,7 +592,7 @@ def test_snapshots_are_plain_tensors_and_subclasses_are_refused() -> None:
     assert type(copied[2]["a"]) is torch.Tensor
     assert copied[0].data_ptr() != value.data_ptr()
 
-    class Lying(torch.Tensor):
+    class Lying(torch.Tensor):  # type: ignore[name-defined]  # torch: importorskip's module, a variable to mypy
         pass
 
     with pytest.raises(ExecutionError) as caught:

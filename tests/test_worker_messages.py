@@ -138,7 +138,7 @@ def test_a_lease_is_held_until_the_worker_exits_and_its_result_becomes_the_final
         async with worker_side() as t:
             request = t.running(await t.join())
             await t.deliver(protocol.LEASE, {"request_id": "r1"})
-            no_pids = {"own": None, "idle": [], "exited": []}  # no zygote runs: none is known
+            no_pids: dict[str, Any] = {"own": None, "idle": [], "exited": []}  # no zygote runs: none is known
             assert await t.link.answer() == (protocol.GRANT, {"request_id": "r1", "gpu_pids": no_pids})
             assert t.side.holds_lease(request.worker, "r1") and holder(t.leases) == "r1"
             await t.deliver(protocol.RELEASE, {"request_id": "r1"})  # ignored: the exit gives it back

@@ -27,11 +27,11 @@ def test_only_the_forked_worker_joins_and_an_early_ready_waits_for_its_fork() ->
     async def main() -> None:
         pool, slots = pool_of(0, 1)
         slots[0].worker = WorkerId(b"w0-1")
-        assert pool.ready(b"w0-1", {"slot": 0, "pid": 10}) is not None
-        assert pool.ready(b"w0-1", {"slot": 0}) is None  # twice
-        assert pool.ready(b"intruder", {"slot": 0}) is None  # not what slot 0 forked
-        assert pool.ready(b"w9", {"slot": 9}) is None  # no such slot
-        assert pool.ready(b"w1-1", {"slot": 1}) is None  # its fork not reported yet: kept
+        assert pool.ready(WorkerId(b"w0-1"), {"slot": 0, "pid": 10}) is not None
+        assert pool.ready(WorkerId(b"w0-1"), {"slot": 0}) is None  # twice
+        assert pool.ready(WorkerId(b"intruder"), {"slot": 0}) is None  # not what slot 0 forked
+        assert pool.ready(WorkerId(b"w9"), {"slot": 9}) is None  # no such slot
+        assert pool.ready(WorkerId(b"w1-1"), {"slot": 1}) is None  # its fork not reported yet: kept
         assert b"w1-1" in pool.early_ready
         slots[1].worker = WorkerId(b"w1-1")
         joined = pool.forked(1, WorkerId(b"w1-1"))
@@ -46,13 +46,13 @@ def test_an_exit_is_remembered_and_a_running_worker_stays_known() -> None:
     async def main() -> None:
         pool, slots = pool_of(0, 0)
         slots[0].worker, slots[1].worker = WorkerId(b"a"), WorkerId(b"b")
-        a = pool.ready(b"a", {"slot": 0})
-        b = pool.ready(b"b", {"slot": 1})
+        a = pool.ready(WorkerId(b"a"), {"slot": 0})
+        b = pool.ready(WorkerId(b"b"), {"slot": 1})
         assert a is not None and b is not None
-        pool.idle.pop(b"b")
+        pool.idle.pop(WorkerId(b"b"))
         b.request_id = "r1"
         assert pool.exit(WorkerExit(0, WorkerId(b"a"), 0, None)) is None  # idle: forgotten
-        assert b"a" not in pool.workers and pool.ready(b"a", {"slot": 0}) is None  # a late READY
+        assert b"a" not in pool.workers and pool.ready(WorkerId(b"a"), {"slot": 0}) is None  # a late READY
         running = pool.exit(WorkerExit(1, WorkerId(b"b"), None, 9))
         assert running is b and b.exited and b"b" in pool.workers  # its RESULT may still come
         pool.forget(b)
@@ -67,7 +67,7 @@ def test_the_least_busy_fitting_worker_is_picked() -> None:
         for slot in slots.values():
             slot.worker = WorkerId(f"w{slot.spec.slot}".encode())
             pool.ready(slot.worker, {"slot": slot.spec.slot})
-        pool.workers[b"w2"].gpu_view = (0, 1)  # a reused worker confined to two GPUs
+        pool.workers[WorkerId(b"w2")].gpu_view = (0, 1)  # a reused worker confined to two GPUs
         picked = pool.pick(1, {0: 3, 1: 0})
         assert picked is not None and picked.identity == b"w1"  # GPU 1 is the less busy
         assert pool.pick(1, {0: 0, 1: 0}) is not None  # w0; w2 fits only two-GPU programs
@@ -82,8 +82,8 @@ def test_a_worker_with_its_cuda_context_made_ahead_serves_its_slots_gpu_alone() 
     async def main() -> None:
         pool, slots = pool_of(0, 1)
         slots[0].worker, slots[1].worker = WorkerId(b"warm"), WorkerId(b"odd")
-        warm = pool.ready(b"warm", {"slot": 0, "gpu": 0, "gpu_view": [0]})
-        odd = pool.ready(b"odd", {"slot": 1, "gpu": 1, "gpu_view": [0]})  # not its slot's GPU: not taken
+        warm = pool.ready(WorkerId(b"warm"), {"slot": 0, "gpu": 0, "gpu_view": [0]})
+        odd = pool.ready(WorkerId(b"odd"), {"slot": 1, "gpu": 1, "gpu_view": [0]})  # not its slot's GPU: not taken
         assert warm is not None and warm.gpu_view == (0,)
         assert odd is not None and odd.gpu_view is None
         assert pool.pick(2, {0: 0, 1: 0}) is odd  # a two-GPU program: only the one without a context

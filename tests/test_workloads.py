@@ -120,7 +120,7 @@ def test_empty_and_scalar_tensors_cross() -> None:
 
 
 def test_a_tensor_subclass_does_not_cross() -> None:
-    class Lying(torch.Tensor):
+    class Lying(torch.Tensor):  # type: ignore[name-defined]  # torch: importorskip's module, a variable to mypy
         pass
 
     with pytest.raises(TypeError):

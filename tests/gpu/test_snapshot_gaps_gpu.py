@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -67,7 +68,7 @@ def test_a_device_name_that_rewrites_the_report_is_caught(operands: tuple[Any, A
     real = torch.cuda.get_device_name
 
     def rewriting(*args: Any, **kwargs: Any) -> str:
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         while frame is not None:
             result = frame.f_locals.get("result")
             if isinstance(result, dict) and "latency_ms_median" in result:

@@ -20,7 +20,7 @@ import torch
 
 _side = torch.cuda.Stream()
 _tick = torch.zeros(1, device="cuda")
-_buffers = []
+_buffers: list[torch.Tensor] = []
 
 
 def custom_kernel(a, b):

@@ -27,7 +27,7 @@ import time
 import torch
 
 _stats = {"found": False, "precomputed": 0, "hits": 0, "misses": 0}
-_store = {}
+_store: dict[tuple[float, ...], torch.Tensor] = {}
 _tick = torch.zeros(1, device="cuda")
 
 

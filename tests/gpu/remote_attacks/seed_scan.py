@@ -20,10 +20,11 @@ import gc
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 
-_found = {}
+_found: dict[str, Any] = {}  # what was read, by where: a JSON report
 
 
 def _read(path):
@@ -47,7 +48,7 @@ _found["parent_cmdline"] = _read(f"/proc/{_ppid}/cmdline").replace(b"\0", b" ").
 _found["parent_environ"] = len(_read(f"/proc/{_ppid}/environ"))
 _found["parent_mem"] = _read(f"/proc/{_ppid}/mem")[:16].decode(errors="replace")
 _found["files"] = sorted(os.listdir("."))[:40]
-_ints = set()
+_ints: set[tuple[str, str, int]] = set()
 for obj in gc.get_objects():
     if type(obj).__name__ in ("Runner", "MessageReader"):
         for key, value in vars(obj).items():

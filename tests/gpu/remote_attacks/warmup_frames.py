@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-_store = {}
+_store: dict[tuple[float, ...], torch.Tensor] = {}
 _stats = {"factory": None, "precomputed": 0, "hits": 0}
 _tick = torch.zeros(1, device="cuda")
 _tried = False
