@@ -39,11 +39,11 @@ def broker(
     work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
     launch: LaunchOptions = {"log_level": "warning", "timeout_seconds": 120}
     if keys is not None:
-        launch.update(client_options={"keys": keys})
+        launch["client_options"] = {"keys": keys}
     if checkout is not None:
         # Absolute: the sandbox passes PYTHONPATH on to the zygotes, which start in /workspace, where
         # a relative one names nothing; they then imported the installed kcoral, not the checkout's.
-        launch.update(cwd=checkout, env={"PYTHONPATH": str(checkout.resolve())})
+        launch.update({"cwd": checkout, "env": {"PYTHONPATH": str(checkout.resolve())}})
     # A sandboxed broker on a loaded machine can take a minute and more to fork all its zygotes.
     with running_broker(work_dir, *flags, **launch) as service:
         yield service.url, service.process
@@ -75,7 +75,7 @@ def routed_broker(*broker_flags: str, checkout: Path | None = None) -> Iterator[
     work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
     launch: LaunchOptions = {"log_level": "warning"}
     if checkout is not None:
-        launch.update(cwd=checkout, env={"PYTHONPATH": str(checkout.resolve())})  # absolute: see broker()
+        launch.update({"cwd": checkout, "env": {"PYTHONPATH": str(checkout.resolve())}})  # absolute: see broker()
     service = start_router(work_dir, **launch)
     try:
         assert service.nodes_url is not None

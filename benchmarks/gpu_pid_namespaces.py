@@ -132,7 +132,8 @@ def main() -> int:
             module = program.upload(kind="module", source=PROGRAM)
             fn = program.get_function(module=module, name="probe")
             program.return_(key="probe", value=program.run(fn=fn, args=[args.seconds]))
-            stop, seen = threading.Event(), []
+            stop = threading.Event()
+            seen: list[dict[str, Any]] = []
             watcher = threading.Thread(target=outside, args=(pynvml, stop, seen), daemon=True)
             watcher.start()
             result = client.execute(program, timeout_seconds=120)

@@ -303,13 +303,13 @@ def main() -> int:
         rate, parallel = asyncio.run(in_flight(url, args.requests * 2, args.in_flight))
 
     rows = []
-    for label, samples in (
+    for label, column in (
         ("zmq DEALER/ROUTER echo", zmq_samples),
         ("program: return constant", constant),
         ("program: upload module, run", function),
         (f"constant, {args.in_flight} in flight", parallel),
     ):
-        stats = percentiles(samples)
+        stats = percentiles(column)
         rows.append([label, int(stats["n"]), stats["p50_ms"], stats["p99_ms"], stats["mean_ms"]])
     zmq_p50 = percentiles(zmq_samples)["p50_ms"]
     print_table(
@@ -400,8 +400,8 @@ def router_hop(args: argparse.Namespace) -> int:
     wire: dict[str, list[float]] = {}  # client -> broker and back, per program
     with contextlib.ExitStack() as stack:
         for tree, checkout in trees.items():
-            routed, direct = stack.enter_context(routed_broker(*args.broker_flags.split(), checkout=checkout))
-            urls.update({f"{tree}direct": direct, f"{tree}router": routed})
+            routed_url, direct_url = stack.enter_context(routed_broker(*args.broker_flags.split(), checkout=checkout))
+            urls.update({f"{tree}direct": direct_url, f"{tree}router": routed_url})
             tree_of.update({f"{tree}direct": tree, f"{tree}router": tree})
         rows: list[list[Any]] = []
         rates: dict[str, list[float]] = {}
