@@ -374,3 +374,25 @@ def test_a_change_made_during_the_untimed_output_check_fails_with_integrity(simu
     assert replaced, "the untimed output check never called the function"
     assert caught.value.kind == "integrity"
     assert "summarize" in caught.value.message and "while the outputs were checked" in caught.value.message
+
+
+def test_a_step_of_the_wall_clock_and_its_reverse_in_one_measurement_read_suspect(
+    simulated_gpu: SimulatedTracer,
+) -> None:
+    """Stepped forward inside the seventh timed call and back inside the ninth: the net step is 0,
+    but the windows between were read on a clock 500 us off the host's; suspect, not tampering."""
+    x = torch.ones(8)
+    calls = itertools.count()
+
+    def honest() -> Any:
+        index = next(calls)
+        if index == 18:
+            simulated_gpu.wall_steps_ns.append(500_000)
+        elif index == 20:
+            simulated_gpu.wall_steps_ns.append(-500_000)
+        return x.add_(1.0)
+
+    result = benchmark(honest, config=CONFIG)
+    assert result["integrity"]["verdict"] == "suspect", result["integrity"]
+    assert any("wall clock was stepped forward by" in r for r in result["integrity"]["reasons"])
+    assert result["integrity_details"]["wall_clock_step_us"] == pytest.approx(500, abs=5)

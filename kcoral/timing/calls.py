@@ -167,8 +167,10 @@ class TimedCalls:
     stack_changes: list[str] = field(default_factory=list)
     trailing_end_ns: int | None = None
     first_input_index: int = 0
-    # How far the host's wall clock was stepped while the calls ran (Runner.wall_offset_ns; 0 where
-    # CUPTI's clock was not read): CUPTI's timestamps follow that clock.
+    # The largest step of the host's wall clock seen while the calls ran, read against the monotonic
+    # clock before them and after each window (Runner.wall_offset_ns; 0 where CUPTI's clock was not
+    # read): CUPTI's timestamps follow that clock. After each window, not only at the end, so that
+    # a step and its reverse inside one measurement are seen too.
     wall_step_ns: int = 0
 
 
@@ -263,6 +265,7 @@ def timed_calls(
     first_index = runner.next_index
     runner.synchronize()
     wall_before = runner.wall_offset_ns() if host_clock else 0
+    wall_step_ns = 0
     if tracer is not None:
         tracer.enable(correlation=True)
     try:
@@ -300,6 +303,10 @@ def timed_calls(
             end_ns = clock()
             host_ns = (before_begin, after_begin, before_end, host_clock()) if host_clock else None
             windows.append(CallWindow(index, begin_ns, call_ns, return_ns, end_ns, hold_ns, host_ns))
+            if host_clock:  # in the gap, off the window: about 0.5 us of host time a call
+                step = runner.wall_offset_ns() - wall_before
+                if abs(step) > abs(wall_step_ns):
+                    wall_step_ns = step
             if after_call is not None:
                 after_call()
             if reservoir is not None:
@@ -324,7 +331,10 @@ def timed_calls(
         previous = None
         runner.synchronize()
         trailing_end_ns = clock()
-        wall_step_ns = runner.wall_offset_ns() - wall_before if host_clock else 0
+        if host_clock:
+            step = runner.wall_offset_ns() - wall_before
+            if abs(step) > abs(wall_step_ns):
+                wall_step_ns = step
     finally:
         if tracer is not None:
             tracer.disable()
