@@ -5,11 +5,12 @@ CUPTI's timestamps follow the host's wall clock (``CLOCK_REALTIME``), while the 
 read ``suspect`` ("the host's wall clock was stepped ..."), never ``integrity`` and never ``ok``
 (``kcoral.timing.timers``). This runs ``benchmark()`` on a 16M-float add ``--runs`` times in this
 process while a helper process steps the wall clock by ``--step-us``, forward and back in turn, every
-``--every-s`` seconds (longer than one measurement, so that none sees a step and its reverse), and
-puts it back where it was at the end. A step lands inside a measurement's timed calls in some runs,
-in its calibration or between measurements in the others.
+``--every-s`` seconds, and puts it back where it was at the end. A step lands inside a measurement's
+timed calls in some runs, in its calibration or between measurements in the others; with steps more
+often than measurements (the default), some measurements see a step and its reverse, which must read
+``suspect`` too (the wall clock is read after each timed call).
 
-    python3 benchmarks/wall_clock_step.py --step-the-clock [--runs 16] [--step-us 500] [--every-s 1.3]
+    python3 benchmarks/wall_clock_step.py --step-the-clock [--runs 16] [--step-us 500] [--every-s 0.3]
 
 It steps the clock of the machine it runs on: root, a GPU, and ``--step-the-clock`` to say so. Exits
 1 where a measurement that saw a step read ``ok`` or failed with ``integrity``.
@@ -79,14 +80,14 @@ def main() -> int:
     parser.add_argument("--step-the-clock", action="store_true", help="yes: step this machine's wall clock")
     parser.add_argument("--runs", type=int, default=16)
     parser.add_argument("--step-us", type=float, default=500.0)
-    parser.add_argument("--every-s", type=float, default=1.3)
+    parser.add_argument("--every-s", type=float, default=0.3)
     args = parser.parse_args()
     if not args.step_the_clock or os.geteuid() != 0:
         print("steps this machine's wall clock: run as root with --step-the-clock", file=sys.stderr)
         return 2
     step_ns = int(args.step_us * 1000)
-    # Enough steps to cover the runs (about one a measurement), an even number of them.
-    count = 2 * (args.runs // 2 + 1)
+    # Enough steps to cover the runs (0.7 to 1.2 s a measurement on an H100), an even number of them.
+    count = 2 * (int(args.runs * 1.2 / args.every_s) // 2 + 1)
     stepper = subprocess.Popen(
         [sys.executable, "-c", STEPPER, str(step_ns), str(args.every_s), str(count)],
         stdout=subprocess.PIPE,
