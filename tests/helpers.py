@@ -4,6 +4,8 @@ is here, one function of uploaded source run as a program. The fixtures built on
 
 from __future__ import annotations
 
+import functools
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +17,17 @@ import pytest
 from kcoral import Client, Program, ProgramResult, testing
 from kcoral.testing import RunningService as RunningBroker
 from kcoral.testing import free_port as free_port
+from kcoral.units import format_bytes
 
-__all__ = ["BrokerFactory", "RunningBroker", "free_port", "has_gpu", "run_function", "start_broker"]
+__all__ = [
+    "BrokerFactory",
+    "RunningBroker",
+    "free_port",
+    "has_gpu",
+    "run_function",
+    "skip_where_the_preload_leaves_less_than_on_a_cpu_build",
+    "start_broker",
+]
 
 
 def called_from(name: str) -> bool:
@@ -42,6 +53,43 @@ def has_gpu() -> bool:
 
 # What a broker logs where its --memory-limit is below what a worker holds before its program.
 MEMORY_LIMIT_REFUSED = "is below what a worker holds before its program runs"
+
+
+# The tests' memory limits (1 GiB, with their programs' sizes around it) are sized for workers whose
+# zygote preloads a CPU build of torch: about 220 MiB of private data (VmData) on the 2-core VM. A
+# CUDA build holds about 760 MiB there before any context (Python 3.12, torch 2.13), which leaves
+# a program too little under 1 GiB.
+SIZED_FOR_PRELOAD_BYTES = 512 << 20
+PRELOAD_DATA = """
+from kcoral.broker.settings import BrokerSettings
+from kcoral.worker.children import preload_for_workers
+from kcoral.worker.limits import own_data_bytes
+preload_for_workers(tuple(name for name in BrokerSettings().preload.split(",") if name))
+print(own_data_bytes())
+"""
+
+
+@functools.cache
+def preloaded_data_bytes() -> int | None:
+    """The private data (``RLIMIT_DATA``'s count) of a process that preloaded what a broker's zygote
+    preloads on its defaults; None where it could not be read. Measured once per test process."""
+    run = subprocess.run([sys.executable, "-c", PRELOAD_DATA], capture_output=True, text=True, timeout=300)
+    try:
+        return int(run.stdout.split()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def skip_where_the_preload_leaves_less_than_on_a_cpu_build(what: str) -> None:
+    """Skip a test whose programs are sized for the room a 1 GiB ``--memory-limit`` leaves a program
+    beside a CPU build of torch, where this interpreter's preloaded libraries hold more private data
+    (a CUDA build of torch): ``what`` says what the test's programs need that room for."""
+    held = preloaded_data_bytes()
+    if held is not None and held > SIZED_FOR_PRELOAD_BYTES:
+        pytest.skip(
+            f"{what}: sized for the room beside a CPU build of torch, but the preloaded libraries hold "
+            f"{format_bytes(held)} of private data here (a CUDA build?), over {format_bytes(SIZED_FOR_PRELOAD_BYTES)}"
+        )
 
 
 def start_broker(
