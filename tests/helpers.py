@@ -4,8 +4,6 @@ is here, one function of uploaded source run as a program. The fixtures built on
 
 from __future__ import annotations
 
-import functools
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +15,7 @@ import pytest
 from kcoral import Client, Program, ProgramResult, testing
 from kcoral.testing import RunningService as RunningBroker
 from kcoral.testing import free_port as free_port
+from kcoral.testing import preloaded_data_bytes
 from kcoral.units import format_bytes
 
 __all__ = [
@@ -60,24 +59,6 @@ MEMORY_LIMIT_REFUSED = "is below what a worker holds before its program runs"
 # CUDA build holds about 760 MiB there before any context (Python 3.12, torch 2.13), which leaves
 # a program too little under 1 GiB.
 SIZED_FOR_PRELOAD_BYTES = 512 << 20
-PRELOAD_DATA = """
-from kcoral.broker.settings import BrokerSettings
-from kcoral.worker.children import preload_for_workers
-from kcoral.worker.limits import own_data_bytes
-preload_for_workers(tuple(name for name in BrokerSettings().preload.split(",") if name))
-print(own_data_bytes())
-"""
-
-
-@functools.cache
-def preloaded_data_bytes() -> int | None:
-    """The private data (``RLIMIT_DATA``'s count) of a process that preloaded what a broker's zygote
-    preloads on its defaults; None where it could not be read. Measured once per test process."""
-    run = subprocess.run([sys.executable, "-c", PRELOAD_DATA], capture_output=True, text=True, timeout=300)
-    try:
-        return int(run.stdout.split()[-1])
-    except (ValueError, IndexError):
-        return None
 
 
 def skip_where_the_preload_leaves_less_than_on_a_cpu_build(what: str) -> None:
