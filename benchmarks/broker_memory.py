@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, save_json
+from benchmarks.common import print_table, save_json, work_directory
 from kcoral import AsyncClient, Program
 from kcoral.testing import start_broker
 from kcoral.units import parse_size
@@ -56,19 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows, data = [], {}
     for cache in args.cache_bytes:
-        work = Path(tempfile.mkdtemp(prefix="kcoral-memory-"))
         flags = ("--fake-gpus", "1", "--workers-per-gpu", "2", "--sandbox", "none", "--cache-bytes", cache)
-        service = start_broker(work, *flags, log_level="warning", timeout_seconds=120)
-        try:
-            process = psutil.Process(service.process.pid)
-            before = process.memory_info().rss
-            started = time.monotonic()
-            asyncio.run(upload_all(service.url, args.programs, parse_size(args.size)))
-            wall = time.monotonic() - started
-            after = process.memory_info().rss
-            tier = service.health()["cache"]
-        finally:
-            service.stop()
+        with work_directory("kcoral-memory-") as work:
+            service = start_broker(work, *flags, log_level="warning", timeout_seconds=120)
+            try:
+                process = psutil.Process(service.process.pid)
+                before = process.memory_info().rss
+                started = time.monotonic()
+                asyncio.run(upload_all(service.url, args.programs, parse_size(args.size)))
+                wall = time.monotonic() - started
+                after = process.memory_info().rss
+                tier = service.health()["cache"]
+            finally:
+                service.stop()
         row = {
             "cache_bytes": cache,
             "rss_before_mib": round(before / 2**20, 1),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,19 @@ def host_gpu_count() -> int:
 
 
 @contextlib.contextmanager
+def work_directory(prefix: str) -> Iterator[Path]:
+    """A directory for a service's logs, run directory and blob cache: removed once the benchmark is
+    done with it (a campaign's cache held 0.8 GiB), kept where it failed, for its logs."""
+    work_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work_dir
+    except BaseException:
+        print(f"kept for its logs: {work_dir}", file=sys.stderr)
+        raise
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def broker(
     *flags: str, checkout: Path | None = None, keys: ClientKeys | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
@@ -36,7 +50,6 @@ def broker(
     ``checkout``: run the broker from that source tree (its own ``kcoral``), to compare versions.
     ``keys``: how to reach a broker whose ``flags`` give it CurveZMQ.
     """
-    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-"))
     launch: LaunchOptions = {"log_level": "warning", "timeout_seconds": 120}
     if keys is not None:
         launch["client_options"] = {"keys": keys}
@@ -45,7 +58,7 @@ def broker(
         # a relative one names nothing; they then imported the installed kcoral, not the checkout's.
         launch.update({"cwd": checkout, "env": {"PYTHONPATH": str(checkout.resolve())}})
     # A sandboxed broker on a loaded machine can take a minute and more to fork all its zygotes.
-    with running_broker(work_dir, *flags, **launch) as service:
+    with work_directory("kcoral-bench-") as work_dir, running_broker(work_dir, *flags, **launch) as service:
         yield service.url, service.process
 
 
@@ -53,18 +66,18 @@ def broker(
 def router(nodes: int, *broker_flags: str, router_flags: Sequence[str] = ()) -> Iterator[str]:
     """Start ``kcoral router`` and ``nodes`` brokers that join it; yield the router's client URL once
     every node is live. Everything is stopped (SIGTERM) afterwards."""
-    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
-    service = start_router(work_dir, *router_flags, log_level="warning")
-    try:
-        with contextlib.ExitStack() as stack:
-            for index in range(nodes):
-                assert service.nodes_url is not None
-                flags = ("--upstream", service.nodes_url, "--node-id", f"node-{index}", *broker_flags)
-                stack.enter_context(broker(*flags))
-            wait_ready(service, lambda health: sum(n.get("state") == "live" for n in health["nodes"]) >= nodes)
-            yield service.url
-    finally:
-        service.stop()
+    with work_directory("kcoral-bench-router-") as work_dir:
+        service = start_router(work_dir, *router_flags, log_level="warning")
+        try:
+            with contextlib.ExitStack() as stack:
+                for index in range(nodes):
+                    assert service.nodes_url is not None
+                    flags = ("--upstream", service.nodes_url, "--node-id", f"node-{index}", *broker_flags)
+                    stack.enter_context(broker(*flags))
+                wait_ready(service, lambda health: sum(n.get("state") == "live" for n in health["nodes"]) >= nodes)
+                yield service.url
+        finally:
+            service.stop()
 
 
 @contextlib.contextmanager
@@ -72,19 +85,19 @@ def routed_broker(*broker_flags: str, checkout: Path | None = None) -> Iterator[
     """One broker that joins a ``kcoral router``: yield (the router's client URL, the broker's
     own), once the node is live, so that one run can reach the same broker both ways.
     ``checkout``: run both from that source tree (its own ``kcoral``), to compare versions."""
-    work_dir = Path(tempfile.mkdtemp(prefix="kcoral-bench-router-"))
     launch: LaunchOptions = {"log_level": "warning"}
     if checkout is not None:
         launch.update({"cwd": checkout, "env": {"PYTHONPATH": str(checkout.resolve())}})  # absolute: see broker()
-    service = start_router(work_dir, **launch)
-    try:
-        assert service.nodes_url is not None
-        flags = ("--upstream", service.nodes_url, "--node-id", "node-0", *broker_flags)
-        with broker(*flags, checkout=checkout) as (url, _):
-            wait_ready(service, lambda health: any(n.get("state") == "live" for n in health["nodes"]))
-            yield service.url, url
-    finally:
-        service.stop()
+    with work_directory("kcoral-bench-router-") as work_dir:
+        service = start_router(work_dir, **launch)
+        try:
+            assert service.nodes_url is not None
+            flags = ("--upstream", service.nodes_url, "--node-id", "node-0", *broker_flags)
+            with broker(*flags, checkout=checkout) as (url, _):
+                wait_ready(service, lambda health: any(n.get("state") == "live" for n in health["nodes"]))
+                yield service.url, url
+        finally:
+            service.stop()
 
 
 def constant_program(value: object = 1) -> Program:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "stopped": statuses}, indent=1) + "\n")
     failed = any(r["loadgen_exit"] for r in runs) or any(statuses.values())
+    if failed:
+        print(f"kept for its logs: {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
 
 
