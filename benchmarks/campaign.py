@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import shutil
 import socket
 import struct
 import sys
@@ -40,7 +39,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import print_table, save_json
+from benchmarks.common import let_go_of, print_table, save_json
 from kcoral import AsyncClient, KCoralError, Program, ProgramResult, protocol
 from kcoral.sandbox.bubblewrap import SHARED_MEMORY
 from kcoral.testing import RunningService, preloaded_data_bytes, start_broker
@@ -448,10 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         and not workspace_left
         and cgroups_left == 0
     )
-    if good:
-        shutil.rmtree(work, ignore_errors=True)  # its blob cache held 0.8 GiB after 1,000 programs
-    else:
-        print(f"kept for its logs: {work}", file=sys.stderr)
+    let_go_of(work, failed=not good)  # its blob cache held 0.8 GiB after 1,000 programs
     return 0 if good else 1
 
 

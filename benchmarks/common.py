@@ -36,9 +36,18 @@ def work_directory(prefix: str) -> Iterator[Path]:
     try:
         yield work_dir
     except BaseException:
-        print(f"kept for its logs: {work_dir}", file=sys.stderr)
+        let_go_of(work_dir, failed=True)
         raise
-    shutil.rmtree(work_dir, ignore_errors=True)
+    let_go_of(work_dir, failed=False)
+
+
+def let_go_of(work_dir: Path, *, failed: bool) -> None:
+    """A benchmark's work directory once it is done with it: kept, and named, where it failed, for
+    its logs; removed otherwise."""
+    if failed:
+        print(f"kept for its logs: {work_dir}", file=sys.stderr)
+    else:
+        shutil.rmtree(work_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

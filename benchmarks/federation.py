@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import loadgen
+from benchmarks.common import let_go_of
 from benchmarks.simulated_hosts import ROUTER_METRICS_PORT, Federation, Keys, Network, unavailable_reason
 
 NODES = ("b1", "b2", "b3")
@@ -83,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "stopped": statuses}, indent=1) + "\n")
     failed = any(r["loadgen_exit"] for r in runs) or any(statuses.values())
-    if failed:
-        print(f"kept for its logs: {work}", file=sys.stderr)
-    else:
-        shutil.rmtree(work, ignore_errors=True)
+    let_go_of(work, failed=failed)
     return 1 if failed else 0
 
 

@@ -54,10 +54,10 @@ class LaunchOptions(TypedDict, total=False):
 # What a broker's zygote preloads on its defaults, then the private data it holds (VmData, what
 # RLIMIT_DATA and so --memory-limit count), printed: kcoral.worker.children, kcoral.worker.limits.
 PRELOAD_DATA = """
-from kcoral.broker.settings import BrokerSettings
+from kcoral.protocol import ZYGOTE_DEFAULT_PRELOAD
 from kcoral.worker.children import preload_for_workers
 from kcoral.worker.limits import own_data_bytes
-preload_for_workers(tuple(name for name in BrokerSettings().preload.split(",") if name))
+preload_for_workers(ZYGOTE_DEFAULT_PRELOAD)
 print(own_data_bytes())
 """
 
